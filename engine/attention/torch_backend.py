@@ -1,0 +1,166 @@
+"""Paged attention in plain torch: the CPU backend, and the reference for the
+Triton one.
+
+Per step, `prepare` groups the batch once:
+- decode sequences (query_len 1) are sorted by length and cut into buckets
+  whose lengths differ by at most `decode_pad_budget` tokens and whose
+  padded K/V stays under `decode_bucket_tokens`; each bucket gathers its
+  K/V blocks through the block tables and runs one batched
+  `scaled_dot_product_attention` with a key-padding mask (a bucket of one
+  sequence, or of equal lengths, needs no mask);
+- prefill chunks run one SDPA each: over this step's own K/V with
+  `is_causal` when the chunk is the whole context, else over the gathered
+  blocks with a bottom-right-aligned causal mask (the query is the last
+  `query_len` of `seq_len` positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _DecodeBucket:
+    rows: torch.Tensor  # [n] int64: token rows of the flat batch
+    blocks: torch.Tensor  # [n * num_blocks] int64: each sequence's first num_blocks blocks
+    num_blocks: int
+    kv_len: int  # keys attended: the longest seq_len, or num_blocks * block_size with a mask
+    mask: torch.Tensor | None  # [n, 1, 1, kv_len] bool, True = attend; None when no padding
+
+
+@dataclass
+class _PrefillChunk:
+    start: int  # first token row of the chunk in the flat batch
+    query_len: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [num_blocks] int64; None: attend over this step's own K/V
+    mask: torch.Tensor | None  # [query_len, num_blocks * block_size] bool, bottom-right causal
+
+
+@dataclass
+class _StepPlan:
+    decode: list[_DecodeBucket]
+    prefill: list[_PrefillChunk]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Knobs, tuned on 2 CPU cores with SmolLM2 shapes (9 heads, 3 KV heads,
+    head_dim 64): one more SDPA call costs about as much as ~60 more padded
+    keys, hence `decode_pad_budget`; and a bucket's gathered K/V should stay
+    in cache until its SDPA reads it (one big gather for the whole batch was
+    slower than per-sequence calls), hence `decode_bucket_tokens`."""
+
+    name = "torch"
+
+    def __init__(self, decode_pad_budget: int = 64, decode_bucket_tokens: int = 2048):
+        self.decode_pad_budget = decode_pad_budget
+        self.decode_bucket_tokens = decode_bucket_tokens
+        self._plan: _StepPlan | None = None
+        self._plan_meta: AttentionMetadata | None = None
+
+    # ---- per step --------------------------------------------------------
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        block_tables = meta.block_tables.to(torch.int64)
+        decode_seqs: list[int] = []
+        starts: list[int] = []
+        prefill: list[_PrefillChunk] = []
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            starts.append(start)
+            if q_len == 1:
+                decode_seqs.append(i)
+            elif q_len > 1:
+                prefill.append(_plan_prefill(block_tables[i], start, q_len, seq_len, meta.block_size))
+            start += q_len
+        decode = self._plan_decode(decode_seqs, starts, meta.seq_lens_host, block_tables, meta.block_size)
+        self._plan = _StepPlan(decode=decode, prefill=prefill)
+        self._plan_meta = meta
+
+    def _plan_decode(self, seqs, starts, seq_lens, block_tables, bs) -> list[_DecodeBucket]:
+        """Longest first; a bucket takes the next sequence while its padding
+        stays within `decode_pad_budget` and its gathered K/V within
+        `decode_bucket_tokens` (small enough to stay in cache for the SDPA)."""
+        device = block_tables.device
+        order = sorted(seqs, key=lambda i: -seq_lens[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and self._fits(groups[-1], seq_lens[groups[-1][0]], seq_lens[i], bs):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        buckets = []
+        for group in groups:
+            longest = seq_lens[group[0]]
+            num_blocks = -(-longest // bs)
+            idx = torch.tensor(group, device=device)
+            rows = torch.tensor([starts[i] for i in group], device=device)
+            blocks = block_tables.index_select(0, idx)[:, :num_blocks].reshape(-1)
+            if all(seq_lens[i] == longest for i in group):
+                buckets.append(_DecodeBucket(rows, blocks, num_blocks, longest, None))
+                continue
+            kv_len = num_blocks * bs
+            lens = torch.tensor([seq_lens[i] for i in group], device=device)
+            mask = torch.arange(kv_len, device=device)[None, :] < lens[:, None]
+            mask = mask.view(len(group), 1, 1, kv_len)
+            buckets.append(_DecodeBucket(rows, blocks, num_blocks, kv_len, mask))
+        return buckets
+
+    def _fits(self, group: list[int], longest: int, seq_len: int, bs: int) -> bool:
+        padded = -(-longest // bs) * bs
+        return (
+            longest - seq_len <= self.decode_pad_budget
+            and (len(group) + 1) * padded <= self.decode_bucket_tokens
+        )
+
+    # ---- per layer -------------------------------------------------------
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        if self._plan is None or self._plan_meta is not meta:
+            self.prepare(meta)
+        plan = self._plan
+        num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
+        k_flat = k_cache.view(num_blocks * bs, num_kv_heads, head_dim)
+        v_flat = v_cache.view(num_blocks * bs, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, key)
+        v_flat.index_copy_(0, meta.slot_mapping, value)
+
+        out = torch.empty_like(query)
+        num_heads = query.shape[1]
+        for b in plan.decode:
+            n = b.rows.shape[0]
+            k = k_cache.index_select(0, b.blocks).view(n, b.num_blocks * bs, num_kv_heads, head_dim)
+            v = v_cache.index_select(0, b.blocks).view(n, b.num_blocks * bs, num_kv_heads, head_dim)
+            k, v = k[:, : b.kv_len].transpose(1, 2), v[:, : b.kv_len].transpose(1, 2)
+            q = query.index_select(0, b.rows).view(n, num_heads, 1, head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scale, enable_gqa=True)
+            out.index_copy_(0, b.rows, o.view(n, num_heads, head_dim))
+        for c in plan.prefill:
+            end = c.start + c.query_len
+            q = query[c.start : end].transpose(0, 1).unsqueeze(0)
+            if c.blocks is None:
+                k = key[c.start : end].transpose(0, 1).unsqueeze(0)
+                v = value[c.start : end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                kv_len = c.blocks.shape[0] * bs
+                k = k_cache.index_select(0, c.blocks).view(1, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+                v = v_cache.index_select(0, c.blocks).view(1, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scale, enable_gqa=True)
+            out[c.start : end] = o[0].transpose(0, 1)
+        return out
+
+
+def _plan_prefill(block_row: torch.Tensor, start: int, q_len: int, seq_len: int, bs: int) -> _PrefillChunk:
+    if q_len == seq_len:  # no cached prefix: attend over this step's own K/V
+        return _PrefillChunk(start, q_len, seq_len, None, None)
+    num_blocks = -(-seq_len // bs)
+    kv_pos = torch.arange(num_blocks * bs, device=block_row.device)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=block_row.device)
+    mask = kv_pos[None, :] <= q_pos[:, None]  # also hides the padding past seq_len
+    return _PrefillChunk(start, q_len, seq_len, block_row[:num_blocks], mask)

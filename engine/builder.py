@@ -1,0 +1,80 @@
+"""Wires an engine together from an EngineConfig: the one place that does."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import ValidationError
+from engine.kv_cache_manager import KVCacheManager
+from engine.llm_engine import LLMEngine
+from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    cache = config.cache_config()
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cache.kv_cache_fraction)
+    else:
+        budget = DEFAULT_CPU_KV_BYTES
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise ValidationError("kv_cache_memory", f"{budget} bytes hold no {bytes_per_block}-byte KV block")
+    return blocks
+
+
+def build_llm_engine(config: EngineConfig) -> LLMEngine:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu" and config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    attn = get_attention_backend(config.attention_backend, device)
+    loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn)
+
+    cache = config.cache_config()
+    bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, dtype)
+    num_blocks = num_kv_blocks(config, bytes_per_block, device)
+    kv_caches = allocate_kv_caches(loaded.hf_config, num_blocks, cache.block_size, dtype, device)
+    reserved = int(num_blocks * cache.premium_reserved_fraction) if config.enable_tiers else 0
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d reserved for premium",
+             num_blocks, cache.block_size, num_blocks * bytes_per_block / 2**20, reserved)
+
+    kv = KVCacheManager(num_blocks, cache.block_size, premium_reserved_blocks=reserved,
+                        enable_prefix_caching=cache.enable_prefix_caching)
+    scheduler = Scheduler(config.scheduler_config(loaded.max_model_len), kv)
+    runner = ModelRunner(loaded.model, kv_caches, attn, Sampler(device),
+                         block_size=cache.block_size, device=device,
+                         eos_token_ids=loaded.eos_token_ids)
+    engine = LLMEngine(EngineCore(scheduler, runner), loaded.tokenizer,
+                       eos_token_ids=loaded.eos_token_ids,
+                       max_model_len=scheduler.config.max_model_len)
+    engine.model_dir = loaded.model_dir
+    return engine

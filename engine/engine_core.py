@@ -1,0 +1,25 @@
+"""One engine step: schedule, execute, update. No tokenizer, no clock."""
+
+from __future__ import annotations
+
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.step_io import SchedulerOutput, StepResult
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.last_schedule: SchedulerOutput | None = None
+
+    def step(self) -> StepResult | None:
+        """Run one step; None when there was nothing to compute."""
+        sched = self.scheduler.schedule()
+        self.last_schedule = sched
+        if sched.is_empty and not sched.copies:
+            if sched.finished_ids:
+                self.runner.sampler.drop(sched.finished_ids)
+            return None
+        runner_out = self.runner.execute(sched)
+        return self.scheduler.update(sched, runner_out)

@@ -1,0 +1,117 @@
+"""The synchronous engine: tokenize, step, detokenize.
+
+`LLM` (offline) drives it in a loop; `AsyncEngine` drives it from a thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Hashable
+
+from engine.engine_core import EngineCore
+from engine.errors import ValidationError
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request, Tier
+from engine.sampling_params import SamplingParams
+from engine.step_io import StepUsage
+
+UsageSink = Callable[[StepUsage], None]
+
+
+class LLMEngine:
+    def __init__(self, core: EngineCore, tokenizer, *, eos_token_ids: frozenset[int],
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic):
+        self.core = core
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.output_processor = OutputProcessor(tokenizer)
+        self.usage_sinks: list[UsageSink] = []
+        self._arrival = itertools.count()
+        self._ids = itertools.count()
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValidationError("prompt", "token-id prompts must be lists of integers")
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ValidationError("prompt", f"token ids must be in [0, {vocab})")
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValidationError("messages", "this model has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        tier: Tier | str = Tier.STANDARD,
+        adapter_key: Hashable | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.output_processor:
+            raise ValidationError("request_id", f"duplicate request id {request_id!r}")
+        prompt_ids = self.tokenize(prompt)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_seq=next(self._arrival),
+            tier=Tier(tier),
+            adapter_key=adapter_key,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.core.scheduler.add_request(req)  # validates; raises before any state is kept
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, self.clock())
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        self.core.scheduler.abort(request_id)
+        return self.output_processor.finish(request_id, FinishReason.ABORT, self.clock())
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every in-flight request with an error (the step loop broke)."""
+        outs = []
+        for request_id in self.output_processor.request_ids():
+            self.core.scheduler.abort(request_id)
+            out = self.output_processor.finish(request_id, FinishReason.ERROR, self.clock(), message)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.core.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        result = self.core.step()
+        if result is None:
+            return []
+        now = self.clock()
+        for item in self.core.last_schedule.requests:
+            self.output_processor.mark_scheduled(item.group_id, now, item.cached_prompt_tokens)
+        for sink in self.usage_sinks:
+            sink(result.usage)
+        processed = self.output_processor.process(result.updates, now)
+        for seq_id in processed.stopped:
+            self.core.scheduler.finish_request(seq_id, FinishReason.STOP)
+        return processed.outputs

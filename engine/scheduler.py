@@ -1,0 +1,395 @@
+"""Iteration-level scheduler with two SLO tiers.
+
+Pure Python: no torch, no I/O, no clock. Each `schedule()` picks the token
+slices of one step under `max_num_batched_tokens` and `max_num_seqs`;
+`update()` takes the runner's samples back, advances every request and
+yields the step's usage record.
+
+Order of a step:
+  0. If the head of the premium queue cannot fit, preempt running standard
+     requests (newest first) until it can.
+  1. Running requests, decodes before prefill chunks, each in priority order
+     (premium, then arrival). A request that cannot get a block preempts the
+     lowest-priority running request below it, or itself if there is none,
+     so a standard request never preempts a premium one.
+  2. If step 1 preempted nothing, admit waiting requests, premium first,
+     FCFS within a tier, with prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.errors import ValidationError
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus, Tier, fork_request_id
+from engine.step_io import (
+    CopyOp,
+    Preemption,
+    RequestStepUsage,
+    RequestUpdate,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepResult,
+    StepUsage,
+)
+
+
+@dataclass
+class _Slice:
+    request: Request
+    num_new: int
+    copies: list[CopyOp]
+
+
+@dataclass
+class _StepPlan:
+    """The step being built; preemption may take a slice back out of it."""
+
+    budget: int
+    slices: dict[str, _Slice] = field(default_factory=dict)
+    preemptions: list[Preemption] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.waiting: dict[Tier, deque[Request]] = {Tier.PREMIUM: deque(), Tier.STANDARD: deque()}
+        self.running: list[Request] = []  # kept sorted by _priority
+        self.requests: dict[str, Request] = {}  # every live sequence, by id
+        self.num_preemptions: dict[Tier, int] = {Tier.PREMIUM: 0, Tier.STANDARD: 0}
+        self._finished_ids: list[str] = []
+        self._step_id = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValidationError("request_id", f"duplicate request id {req.request_id!r}")
+        if not req.prompt_token_ids:
+            raise ValidationError("prompt", "the prompt is empty")
+        # A sequence can never hold more KV than its tier may allocate.
+        usable_tokens = self.kv.usable_blocks(self._tier(req)) * self.block_size
+        limit = min(req.max_model_len or self.config.max_model_len,
+                    self.config.max_model_len, usable_tokens)
+        if req.num_prompt_tokens >= limit:
+            raise ValidationError(
+                "prompt",
+                f"the prompt has {req.num_prompt_tokens} tokens; this engine accepts at most "
+                f"{limit - 1} so that one token can be generated",
+            )
+        req.max_model_len = limit
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting[self._tier(req)].append(req)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """End a request (and its forked children) in whatever state it is.
+        Returns the sequences that were ended; unknown ids end nothing."""
+        ended = [r for r in self.requests.values()
+                 if r.request_id == request_id or r.parent_id == request_id]
+        for req in ended:
+            self._finish(req, FinishReason.ABORT)
+        return ended
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
+        """End one sequence from outside (a stop string matched in the text)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> dict[Tier, int]:
+        return {tier: len(q) for tier, q in self.waiting.items()}
+
+    @property
+    def num_running(self) -> dict[Tier, int]:
+        counts = {Tier.PREMIUM: 0, Tier.STANDARD: 0}
+        for req in self.running:
+            counts[req.tier] += 1
+        return counts
+
+    # ---- one step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._make_room_for_premium(plan)
+        num_admission_preemptions = len(plan.preemptions)
+
+        decodes = [r for r in self.running if r.num_remaining_tokens == 1]
+        prefills = [r for r in self.running if r.num_remaining_tokens > 1]
+        for req in decodes + prefills:
+            if plan.budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                self._schedule_running(req, plan)
+
+        # Under memory pressure, admitting more would only preempt again.
+        if len(plan.preemptions) == num_admission_preemptions:
+            self._admit_waiting(plan)
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            step_id=self._step_id,
+            requests=[self._scheduled(s) for s in plan.slices.values()],
+            copies=[c for s in plan.slices.values() for c in s.copies],
+            preemptions=plan.preemptions,
+            finished_ids=finished,
+        )
+
+    def update(self, sched: SchedulerOutput, runner: RunnerOutput) -> StepResult:
+        updates: list[RequestUpdate] = []
+        usage: list[RequestStepUsage] = []
+        for item in sched.requests:
+            # Billed from the slice alone: a request aborted after scheduling
+            # still consumed this step.
+            usage.append(_slice_usage(item))
+            req = self.requests.get(item.request_id)
+            if req is None:
+                continue
+            req.cached_reported = True
+            req.num_computed_tokens = item.start_pos + item.num_tokens
+            req.computed_high_water = max(req.computed_high_water, req.num_computed_tokens)
+            if not item.sample:
+                continue
+            samples = runner.sampled[item.request_id]
+            if item.num_samples > 1:
+                updates.extend(self._fork(req, samples[1:]))
+            updates.append(self._append_token(req, samples[0]))
+        return StepResult(
+            updates=updates,
+            usage=StepUsage(
+                step_id=sched.step_id,
+                busy_time_us=runner.busy_time_us,
+                requests=tuple(usage),
+                preemptions=tuple(sched.preemptions),
+            ),
+        )
+
+    # ---- scheduling helpers ----------------------------------------------------------
+
+    def _schedule_running(self, req: Request, plan: _StepPlan) -> None:
+        num_new = min(req.num_remaining_tokens, plan.budget)
+        while True:
+            alloc = self.kv.allocate_slots(req, num_new)
+            if alloc is not None:
+                plan.slices[req.request_id] = _Slice(req, num_new, alloc.copies)
+                plan.budget -= num_new
+                return
+            victim = self._lowest_priority_below(req)
+            if victim is None:
+                self._preempt(req, plan, caused_by=None)
+                return
+            self._preempt(victim, plan, caused_by=req.request_id)
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        while plan.budget > 0:
+            req = self._next_waiting()
+            if req is None:
+                return
+            num_seqs = sum(r.num_seqs for r in self.running)
+            if self.running and num_seqs + req.num_seqs > self.config.max_num_seqs:
+                return
+            prefix = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - prefix.num_tokens, plan.budget)
+            alloc = self.kv.allocate_slots(req, num_new, prefix)
+            if alloc is None:
+                return  # strict order: nothing behind the head may jump it
+            self.waiting[self._tier(req)].popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = prefix.num_tokens
+            req.num_computed_tokens = prefix.num_tokens
+            req.status = RequestStatus.RUNNING
+            self._insert_running(req)
+            plan.slices[req.request_id] = _Slice(req, num_new, alloc.copies)
+            plan.budget -= num_new
+
+    def _make_room_for_premium(self, plan: _StepPlan) -> None:
+        """Preempt standard work so the premium head can be admitted this step.
+
+        Done before anything is scheduled, so the victims give back blocks that
+        hold only computed KV and no slice has to be unwound."""
+        queue = self.waiting[Tier.PREMIUM]
+        if not self.config.enable_tiers or not queue:
+            return
+        head = queue[0]
+        chunk = min(head.num_tokens, plan.budget)
+        needed = -(-chunk // self.block_size)
+        # Blocks the running requests will take this step come first.
+        needed += sum(self._blocks_to_grow(r) for r in self.running)
+        while self.kv.num_free_blocks() < needed:
+            victim = next((r for r in reversed(self.running) if r.tier is Tier.STANDARD), None)
+            if victim is None:
+                return
+            needed -= self._blocks_to_grow(victim)
+            self._preempt(victim, plan, caused_by=head.request_id)
+
+    def _blocks_to_grow(self, req: Request) -> int:
+        have = len(self.kv.block_table(req.request_id))
+        return max(0, -(-(req.num_computed_tokens + 1) // self.block_size) - have)
+
+    def _lowest_priority_below(self, req: Request) -> Request | None:
+        """The preemption victim for `req`: the last running request that ranks
+        below it. Premium ranks above standard, so standard never picks premium."""
+        if self.running and self.running[-1] is not req:
+            victim = self.running[-1]
+            if self._priority(victim) > self._priority(req):
+                return victim
+        return None
+
+    def _preempt(self, req: Request, plan: _StepPlan, caused_by: str | None) -> None:
+        taken = plan.slices.pop(req.request_id, None)
+        if taken is not None:
+            plan.budget += taken.num_new
+        self.kv.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting[self._tier(req)].appendleft(req)
+        self.num_preemptions[req.tier] += 1
+        plan.preemptions.append(Preemption(req.request_id, req.tier, caused_by))
+
+    def _next_waiting(self) -> Request | None:
+        for tier in (Tier.PREMIUM, Tier.STANDARD):
+            if self.waiting[tier]:
+                return self.waiting[tier][0]
+        return None
+
+    def _scheduled(self, s: _Slice) -> ScheduledRequest:
+        req = s.request
+        start = req.num_computed_tokens
+        sample = start + s.num_new == req.num_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            group_id=req.group_id,
+            token_ids=_token_slice(req, start, start + s.num_new),
+            start_pos=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=sample,
+            num_samples=req.num_seqs if sample else 1,
+            sampling_params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            adapter_key=req.adapter_key,
+            tier=req.tier,
+            prompt_len=req.num_prompt_tokens,
+            computed_high_water=req.computed_high_water,
+            cached_prompt_tokens=0 if req.cached_reported else req.num_cached_prompt_tokens,
+        )
+
+    # ---- update helpers ----------------------------------------------------------
+
+    def _fork(self, parent: Request, samples) -> list[RequestUpdate]:
+        parent.forked = True
+        updates = []
+        for index, sample in enumerate(samples, start=1):
+            child = Request(
+                request_id=fork_request_id(parent.request_id, index),
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=parent.sampling_params,
+                arrival_seq=parent.arrival_seq,
+                tier=parent.tier,
+                adapter_key=parent.adapter_key,
+                cache_salt=parent.cache_salt,
+                eos_token_ids=parent.eos_token_ids,
+                max_model_len=parent.max_model_len,
+                parent_id=parent.request_id,
+                index=index,
+                num_computed_tokens=parent.num_computed_tokens,
+                status=RequestStatus.RUNNING,
+                computed_high_water=parent.computed_high_water,
+                forked=True,
+                cached_reported=True,
+            )
+            self.kv.fork(parent, child)
+            self.requests[child.request_id] = child
+            self._insert_running(child)
+            updates.append(self._append_token(child, sample))
+        return updates
+
+    def _append_token(self, req: Request, sample) -> RequestUpdate:
+        req.output_token_ids.append(sample.token_id)
+        reason = self._stop_reason(req, sample.token_id)
+        if reason is not None:
+            self._finish(req, reason)
+        return RequestUpdate(req.request_id, req.group_id, req.index, [sample], reason)
+
+    @staticmethod
+    def _stop_reason(req: Request, token_id: int) -> FinishReason | None:
+        params = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_out >= params.max_tokens or req.num_tokens >= req.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting[self._tier(req)].remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    # ---- ordering ------------------------------------------------------------------
+
+    def _tier(self, req: Request) -> Tier:
+        """The queue a request waits in; with tiers off everyone is standard."""
+        return req.tier if self.config.enable_tiers else Tier.STANDARD
+
+    def _priority(self, req: Request) -> tuple[int, int, int]:
+        return (self._tier(req).rank, req.arrival_seq, req.index)
+
+    def _insert_running(self, req: Request) -> None:
+        keys = [self._priority(r) for r in self.running]
+        self.running.insert(bisect.bisect(keys, self._priority(req)), req)
+
+
+def _slice_usage(item: ScheduledRequest) -> RequestStepUsage:
+    """Split a slice's tokens into fresh prompt, recomputed and decode tokens.
+
+    Positions below the request's previous high-water mark were computed
+    before a preemption: computing them again is recomputation."""
+    start, end = item.start_pos, item.start_pos + item.num_tokens
+    recomputed = max(0, min(end, item.computed_high_water) - start)
+    fresh_start = max(start, item.computed_high_water)
+    prompt = max(0, min(end, item.prompt_len) - fresh_start)
+    decode = max(0, end - max(fresh_start, item.prompt_len))
+    return RequestStepUsage(
+        request_id=item.request_id,
+        tier=item.tier,
+        adapter_key=item.adapter_key,
+        prompt_tokens_computed=prompt,
+        prompt_tokens_cached=item.cached_prompt_tokens,
+        recomputed_tokens=recomputed,
+        decode_tokens=decode,
+    )
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """req.all_token_ids[start:end] without concatenating the whole sequence
+    (a decode step needs one token of a possibly long list)."""
+    prompt, n = req.prompt_token_ids, req.num_prompt_tokens
+    if start >= n:
+        return req.output_token_ids[start - n:end - n]
+    if end <= n:
+        return prompt[start:end]
+    return prompt[start:] + req.output_token_ids[:end - n]

@@ -1,0 +1,1 @@
+"""loragw gateway package (built by a later issue)."""

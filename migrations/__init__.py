@@ -1,0 +1,1 @@
+"""loragw migrations package (built by a later issue)."""
