@@ -40,9 +40,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from engine.errors import EngineError
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, **_engine_args(args))
+    try:
+        llm = LLM(args.model, **_engine_args(args))
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"loaded {llm.engine.model_dir} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     interactive = sys.stdin.isatty() and not args.prompt
