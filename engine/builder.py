@@ -34,17 +34,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
+                  max_model_len: int) -> int:
     cache = config.cache_config()
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
-    elif device.type == "cuda":
+        return _blocks_in(cache.kv_cache_memory, bytes_per_block)
+    if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * cache.kv_cache_fraction)
     else:
         budget = DEFAULT_CPU_KV_BYTES
+    # A default budget never exceeds what max_num_seqs full-length sequences
+    # could hold: a small model would otherwise zero gigabytes it never uses.
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    return min(_blocks_in(budget, bytes_per_block), config.max_num_seqs * blocks_per_seq)
+
+
+def _blocks_in(budget: int, bytes_per_block: int) -> int:
     blocks = budget // bytes_per_block
     if blocks < 1:
         raise ValidationError("kv_cache_memory", f"{budget} bytes hold no {bytes_per_block}-byte KV block")
@@ -61,7 +69,8 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
 
     cache = config.cache_config()
     bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, dtype)
-    num_blocks = num_kv_blocks(config, bytes_per_block, device)
+    sched_config = config.scheduler_config(loaded.max_model_len)
+    num_blocks = num_kv_blocks(config, bytes_per_block, device, sched_config.max_model_len)
     kv_caches = allocate_kv_caches(loaded.hf_config, num_blocks, cache.block_size, dtype, device)
     reserved = int(num_blocks * cache.premium_reserved_fraction) if config.enable_tiers else 0
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d reserved for premium",
@@ -69,7 +78,7 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
 
     kv = KVCacheManager(num_blocks, cache.block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=cache.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler_config(loaded.max_model_len), kv)
+    scheduler = Scheduler(sched_config, kv)
     runner = ModelRunner(loaded.model, kv_caches, attn, Sampler(device),
                          block_size=cache.block_size, device=device,
                          eos_token_ids=loaded.eos_token_ids)
