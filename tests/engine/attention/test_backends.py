@@ -27,16 +27,10 @@ TOLERANCE = {  # (atol, rtol) against the float64 reference
 
 
 def _get_backend(name: str) -> AttentionBackend:
+    from engine.attention import get_attention_backend
+
     if name == "triton":
         pytest.importorskip("triton")
-    try:
-        from engine.attention import get_attention_backend
-    except ImportError:  # the registry has not landed yet
-        if name == "triton":
-            from engine.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend()
-        pytest.skip("engine.attention.get_attention_backend is not there yet")
     return get_attention_backend(name, torch.device("cpu"))
 
 
@@ -227,6 +221,34 @@ def test_non_contiguous_query(backend_name):
     case.query = fused[:, : case.query.shape[1]]
     assert not case.query.is_contiguous()
     check_backend(backend, case)
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "long_context", "skew_1_long_7_short"])
+def test_triton_matches_the_torch_path(scenario):
+    """The two backends side by side on the same batch and cache."""
+    case = make_case(SCENARIOS[scenario], block_size=16, head_dim=32, seed=21)
+    outs = []
+    for name in ("torch", "triton"):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        backend = _get_backend(name)
+        backend.prepare(case.meta)
+        outs.append(backend.forward(case.query, case.key, case.value, k_cache, v_cache,
+                                    case.meta, case.query.shape[-1] ** -0.5))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_on_the_triton_path_matches_the_torch_path(tiny_llama_dir):
+    """The whole engine, chunked prefill and decode, on each backend."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    prompts = ["The quick brown fox jumps over the lazy dog", "Hi"]
+    results = [
+        [o.outputs[0].token_ids for o in
+         LLM(str(tiny_llama_dir), attention_backend=name, max_num_batched_tokens=8).generate(prompts, params)]
+        for name in ("torch", "triton")
+    ]
+    assert results[0] == results[1]
 
 
 def test_importing_engine_attention_does_not_import_triton():
