@@ -1,1 +1,2 @@
-"""loragw adapters package (built by a later issue)."""
+"""LoRA adapters: the registry of validated PEFT adapters on disk
+(`adapters.registry`), and the device-side ops (`adapters.ops`)."""
