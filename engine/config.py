@@ -18,11 +18,17 @@ class SchedulerConfig:
     # Premium is admitted first; this turns tier ordering off (every request
     # is treated as standard), which the SLO tests use to starve premium.
     enable_tiers: bool = True
+    # Distinct LoRA adapters that may run in one step (0 disables LoRA), and
+    # the steps a request may be passed while it waits for an adapter slot.
+    max_loras: int = 4
+    max_slot_wait_steps: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValidationError(name, "must be >= 1")
+        if self.max_loras < 0 or self.max_slot_wait_steps < 0:
+            raise ValidationError("max_loras", "max_loras and max_slot_wait_steps must be >= 0")
 
 
 @dataclass

@@ -13,7 +13,9 @@ Order of a step:
      lowest-priority running request below it, or itself if there is none,
      so a standard request never preempts a premium one.
   2. If step 1 preempted nothing, admit waiting requests, premium first,
-     FCFS within a tier, with prefix-cache hits.
+     FCFS within a tier, with prefix-cache hits. Only a request waiting for
+     an adapter slot may be passed, and only for a bounded number of steps
+     (engine/adapter_slots.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.adapter_slots import AdapterSlotPolicy, SlotVerdict
 from engine.config import SchedulerConfig
 from engine.errors import ValidationError
 from engine.kv_cache_manager import KVCacheManager
@@ -56,9 +59,11 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 adapters: AdapterSlotPolicy | None = None):
         self.config = config
         self.kv = kv
+        self.adapters = adapters or AdapterSlotPolicy(config.max_loras, config.max_slot_wait_steps)
         self.block_size = kv.block_size
         self.waiting: dict[Tier, deque[Request]] = {Tier.PREMIUM: deque(), Tier.STANDARD: deque()}
         self.running: list[Request] = []  # kept sorted by _priority
@@ -74,6 +79,8 @@ class Scheduler:
             raise ValidationError("request_id", f"duplicate request id {req.request_id!r}")
         if not req.prompt_token_ids:
             raise ValidationError("prompt", "the prompt is empty")
+        if req.adapter_key is not None and self.adapters.max_loras < 1:
+            raise ValidationError("adapter", "LoRA adapters are disabled on this engine (max_loras=0)")
         # A sequence can never hold more KV than its tier may allocate.
         usable_tokens = self.kv.usable_blocks(self._tier(req)) * self.block_size
         limit = min(req.max_model_len or self.config.max_model_len,
@@ -153,7 +160,7 @@ class Scheduler:
         for item in sched.requests:
             # Billed from the slice alone: a request aborted after scheduling
             # still consumed this step.
-            usage.append(_slice_usage(item))
+            usage.append(RequestStepUsage.from_slice(item))
             req = self.requests.get(item.request_id)
             if req is None:
                 continue
@@ -193,26 +200,40 @@ class Scheduler:
             self._preempt(victim, plan, caused_by=req.request_id)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        while plan.budget > 0:
-            req = self._next_waiting()
-            if req is None:
-                return
-            num_seqs = sum(r.num_seqs for r in self.running)
-            if self.running and num_seqs + req.num_seqs > self.config.max_num_seqs:
-                return
-            prefix = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - prefix.num_tokens, plan.budget)
-            alloc = self.kv.allocate_slots(req, num_new, prefix)
-            if alloc is None:
-                return  # strict order: nothing behind the head may jump it
-            self.waiting[self._tier(req)].popleft()
-            if req.num_preemptions == 0:
-                req.num_cached_prompt_tokens = prefix.num_tokens
-            req.num_computed_tokens = prefix.num_tokens
-            req.status = RequestStatus.RUNNING
-            self._insert_running(req)
-            plan.slices[req.request_id] = _Slice(req, num_new, alloc.copies)
-            plan.budget -= num_new
+        """Premium first, FCFS within a tier. Only a request held back by its
+        adapter (no free slot, weights still loading) may be passed; one that
+        does not fit in the KV cache stops admission, so nothing jumps it."""
+        for tier in (Tier.PREMIUM, Tier.STANDARD):
+            queue, i = self.waiting[tier], 0
+            while i < len(queue):
+                if plan.budget == 0:
+                    return
+                req = queue[i]
+                num_seqs = sum(r.num_seqs for r in self.running)
+                if self.running and num_seqs + req.num_seqs > self.config.max_num_seqs:
+                    return
+                if self.adapters.verdict(req, self._step_id) is not SlotVerdict.ADMIT:
+                    i += 1
+                    continue
+                if not self._admit(req, plan):
+                    return
+                del queue[i]
+
+    def _admit(self, req: Request, plan: _StepPlan) -> bool:
+        prefix = self.kv.get_computed_blocks(req)
+        num_new = min(req.num_tokens - prefix.num_tokens, plan.budget)
+        alloc = self.kv.allocate_slots(req, num_new, prefix)
+        if alloc is None:
+            return False
+        if req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = prefix.num_tokens
+        req.num_computed_tokens = prefix.num_tokens
+        req.status = RequestStatus.RUNNING
+        self._insert_running(req)
+        self.adapters.on_running(req)
+        plan.slices[req.request_id] = _Slice(req, num_new, alloc.copies)
+        plan.budget -= num_new
+        return True
 
     def _make_room_for_premium(self, plan: _StepPlan) -> None:
         """Preempt standard work so the premium head can be admitted this step.
@@ -223,6 +244,8 @@ class Scheduler:
         if not self.config.enable_tiers or not queue:
             return
         head = queue[0]
+        if self.adapters.verdict(head, self._step_id) is not SlotVerdict.ADMIT:
+            return  # it could not run this step anyway
         chunk = min(head.num_tokens, plan.budget)
         needed = -(-chunk // self.block_size)
         # Blocks the running requests will take this step come first.
@@ -253,18 +276,13 @@ class Scheduler:
             plan.budget += taken.num_new
         self.kv.free(req)
         self.running.remove(req)
+        self.adapters.on_stopped_running(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting[self._tier(req)].appendleft(req)
         self.num_preemptions[req.tier] += 1
         plan.preemptions.append(Preemption(req.request_id, req.tier, caused_by))
-
-    def _next_waiting(self) -> Request | None:
-        for tier in (Tier.PREMIUM, Tier.STANDARD):
-            if self.waiting[tier]:
-                return self.waiting[tier][0]
-        return None
 
     def _scheduled(self, s: _Slice) -> ScheduledRequest:
         req = s.request
@@ -315,6 +333,7 @@ class Scheduler:
             self.kv.fork(parent, child)
             self.requests[child.request_id] = child
             self._insert_running(child)
+            self.adapters.on_running(child)
             updates.append(self._append_token(child, sample))
         return updates
 
@@ -341,9 +360,11 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self.adapters.on_stopped_running(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting[self._tier(req)].remove(req)
         self.kv.free(req)
+        self.adapters.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -361,27 +382,6 @@ class Scheduler:
     def _insert_running(self, req: Request) -> None:
         keys = [self._priority(r) for r in self.running]
         self.running.insert(bisect.bisect(keys, self._priority(req)), req)
-
-
-def _slice_usage(item: ScheduledRequest) -> RequestStepUsage:
-    """Split a slice's tokens into fresh prompt, recomputed and decode tokens.
-
-    Positions below the request's previous high-water mark were computed
-    before a preemption: computing them again is recomputation."""
-    start, end = item.start_pos, item.start_pos + item.num_tokens
-    recomputed = max(0, min(end, item.computed_high_water) - start)
-    fresh_start = max(start, item.computed_high_water)
-    prompt = max(0, min(end, item.prompt_len) - fresh_start)
-    decode = max(0, end - max(fresh_start, item.prompt_len))
-    return RequestStepUsage(
-        request_id=item.request_id,
-        tier=item.tier,
-        adapter_key=item.adapter_key,
-        prompt_tokens_computed=prompt,
-        prompt_tokens_cached=item.cached_prompt_tokens,
-        recomputed_tokens=recomputed,
-        decode_tokens=decode,
-    )
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -111,6 +111,25 @@ class RequestStepUsage:
     def computed_tokens(self) -> int:
         return self.prompt_tokens_computed + self.recomputed_tokens + self.decode_tokens
 
+    @classmethod
+    def from_slice(cls, item: ScheduledRequest) -> RequestStepUsage:
+        """Split a slice's tokens into fresh prompt, recomputed and decode tokens.
+
+        Positions below the request's previous high-water mark were computed
+        before a preemption: computing them again is recomputation."""
+        start, end = item.start_pos, item.start_pos + item.num_tokens
+        recomputed = max(0, min(end, item.computed_high_water) - start)
+        fresh_start = max(start, item.computed_high_water)
+        return cls(
+            request_id=item.request_id,
+            tier=item.tier,
+            adapter_key=item.adapter_key,
+            prompt_tokens_computed=max(0, min(end, item.prompt_len) - fresh_start),
+            prompt_tokens_cached=item.cached_prompt_tokens,
+            recomputed_tokens=recomputed,
+            decode_tokens=max(0, end - max(fresh_start, item.prompt_len)),
+        )
+
 
 @dataclass(frozen=True)
 class StepUsage:

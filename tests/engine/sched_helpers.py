@@ -15,19 +15,21 @@ EOS = 0
 
 
 def make_scheduler(num_blocks=64, block_size=4, *, budget=64, max_seqs=16, reserved=0,
-                   max_model_len=4096, prefix_caching=True, tiers=True) -> Scheduler:
+                   max_model_len=4096, prefix_caching=True, tiers=True, max_loras=4,
+                   max_slot_wait_steps=32, adapter_policy=None) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=prefix_caching)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          max_model_len=max_model_len, enable_tiers=tiers)
-    return Scheduler(cfg, kv)
+                          max_model_len=max_model_len, enable_tiers=tiers, max_loras=max_loras,
+                          max_slot_wait_steps=max_slot_wait_steps)
+    return Scheduler(cfg, kv, adapter_policy)
 
 
 _arrivals = itertools.count()
 
 
 def make_request(rid: str, prompt_len: int = 8, *, tier=Tier.STANDARD, max_tokens=4, n=1,
-                 first_token=None, **params) -> Request:
+                 first_token=None, adapter=None, **params) -> Request:
     """Requests get distinct tokens (no accidental prefix hits) unless
     `first_token` is given."""
     arrival = next(_arrivals)
@@ -35,7 +37,7 @@ def make_request(rid: str, prompt_len: int = 8, *, tier=Tier.STANDARD, max_token
     prompt = [base + (i % 50) for i in range(prompt_len)]
     return Request(request_id=rid, prompt_token_ids=prompt,
                    sampling_params=SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0, **params),
-                   arrival_seq=arrival, tier=tier, eos_token_ids=frozenset({EOS}))
+                   arrival_seq=arrival, tier=tier, eos_token_ids=frozenset({EOS}), adapter_key=adapter)
 
 
 def run_output(sched: SchedulerOutput, token: int = 7) -> RunnerOutput:
