@@ -1,0 +1,47 @@
+"""Segmented LoRA ops (SGMV shrink and expand) and the one place that
+chooses a backend.
+
+Factories import their backend lazily, so importing this registry never
+requires triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from adapters.ops.base import LoraOps
+from adapters.ops.meta import SGMVMeta, build_sgmv_meta
+from engine.errors import ValidationError
+
+__all__ = ["LORA_OPS", "LoraOps", "SGMVMeta", "build_sgmv_meta", "get_lora_ops"]
+
+
+def _torch_ops() -> LoraOps:
+    from adapters.ops.torch_ops import TorchLoraOps
+
+    return TorchLoraOps()
+
+
+def _triton_ops() -> LoraOps:
+    from adapters.ops.triton_ops import TritonLoraOps
+
+    return TritonLoraOps()
+
+
+LORA_OPS: dict[str, Callable[[], LoraOps]] = {
+    "torch": _torch_ops,
+    "triton": _triton_ops,
+}
+
+
+def get_lora_ops(name: str, device: torch.device | str) -> LoraOps:
+    """ "auto" is "triton" on CUDA and "torch" everywhere else."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    factory = LORA_OPS.get(name)
+    if factory is None:
+        choices = ", ".join(["auto", *LORA_OPS])
+        raise ValidationError("lora_backend", f"unknown backend {name!r}; choose one of {choices}")
+    return factory()
