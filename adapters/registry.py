@@ -259,6 +259,15 @@ class AdapterRegistry:
 
     # ---- layout ----------------------------------------------------------
 
+    def load_key(self, key: tuple[str, int, str]) -> LoraWeights:
+        """Load by the engine's adapter key (name, version, digest): the exact
+        content a request was admitted with, or an error if it is gone."""
+        name, version, digest = key
+        manifest = self.resolve(f"{name}@{version}")
+        if manifest.digest != digest:
+            raise AdapterError(f"adapter {manifest.ref} no longer has the content it had")
+        return self.load(manifest)
+
     def _blob_path(self, digest: str) -> Path:
         return self.root / "blobs" / f"{digest}.safetensors"
 

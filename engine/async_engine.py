@@ -33,6 +33,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     tier: Tier | str
+    adapter: str | None
     adapter_key: Hashable | None
     cache_salt: str | None
     sink: asyncio.Queue
@@ -69,6 +70,7 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         tier: Tier | str = Tier.STANDARD,
+        adapter: str | None = None,
         adapter_key: Hashable | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
@@ -79,7 +81,7 @@ class AsyncEngine:
         request_id = request_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt, params, tier, adapter_key, cache_salt, sink, loop))
+        self._commands.put(_Add(request_id, prompt, params, tier, adapter, adapter_key, cache_salt, sink, loop))
         finished = False
         try:
             while True:
@@ -148,7 +150,8 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, tier=cmd.tier,
-                                        adapter_key=cmd.adapter_key, cache_salt=cmd.cache_salt)
+                                        adapter=cmd.adapter, adapter_key=cmd.adapter_key,
+                                        cache_salt=cmd.cache_salt)
             except Exception as exc:  # validation errors go back to the caller
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
                 return

@@ -79,11 +79,37 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
     kv = KVCacheManager(num_blocks, cache.block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=cache.enable_prefix_caching)
     scheduler = Scheduler(sched_config, kv)
+    lora, registry = _build_lora(config, loaded, dtype, device)
+    if lora is not None:
+        scheduler.adapters.is_ready = lora.slots.is_ready
     runner = ModelRunner(loaded.model, kv_caches, attn, Sampler(device),
                          block_size=cache.block_size, device=device,
-                         eos_token_ids=loaded.eos_token_ids)
+                         eos_token_ids=loaded.eos_token_ids, lora=lora)
     engine = LLMEngine(EngineCore(scheduler, runner), loaded.tokenizer,
                        eos_token_ids=loaded.eos_token_ids,
-                       max_model_len=scheduler.config.max_model_len)
+                       max_model_len=scheduler.config.max_model_len,
+                       adapters=registry, lora_slots=lora.slots if lora else None)
     engine.model_dir = loaded.model_dir
     return engine
+
+
+def _build_lora(config: EngineConfig, loaded, dtype: torch.dtype, device: torch.device):
+    """The adapter registry and the device-side LoRA runtime, or (None, None)."""
+    if config.max_loras == 0:
+        return None, None
+    from pathlib import Path
+
+    from adapters.ops import get_lora_ops
+    from adapters.registry import AdapterRegistry
+    from adapters.runtime import LoraRuntime
+    from adapters.slots import LoraSlotManager
+
+    registry = AdapterRegistry(Path(config.data_dir) / "adapters" if config.data_dir else None,
+                               base_config=loaded.hf_config, max_lora_rank=config.max_lora_rank)
+    packed = loaded.model.packed_linears()
+    slots = LoraSlotManager(packed, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                            max_cpu_loras=config.max_cpu_loras, load_fn=registry.load_key,
+                            dtype=dtype, device=device)
+    runtime = LoraRuntime(slots, get_lora_ops(config.lora_backend, device), device)
+    runtime.attach(packed)
+    return runtime, registry

@@ -77,10 +77,22 @@ class EngineConfig:
     premium_reserved_fraction: float = 0.0
     enable_tiers: bool = True
     num_threads: int | None = None  # torch intra-op threads on the CPU
+    # LoRA: adapters resident in device slots at once (0 turns LoRA off), the
+    # rank every slot is padded to, adapters kept loaded on the host, the SGMV
+    # backend ("torch", "triton" or "auto"), and where the registry lives
+    # (None: $LORAGW_DATA_DIR or the user data dir).
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+    lora_backend: str = "auto"
+    max_slot_wait_steps: int = 32
+    data_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValidationError("dtype", f"must be one of {_DTYPES}")
+        if self.max_lora_rank < 1 or self.max_cpu_loras < 0:
+            raise ValidationError("max_lora_rank", "max_lora_rank must be >= 1 and max_cpu_loras >= 0")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -99,4 +111,6 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_len,
             enable_tiers=self.enable_tiers,
+            max_loras=self.max_loras,
+            max_slot_wait_steps=self.max_slot_wait_steps,
         )

@@ -28,20 +28,34 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def adapters(self):
+        """The adapter registry this engine serves from (import with
+        `llm.adapters.import_dir(name, path)`), or None without LoRA."""
+        return self.engine.adapters
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tier: Tier | str | Sequence[Tier | str] = Tier.STANDARD,
+        adapter: str | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """`adapter` applies one registered LoRA adapter ("name" or
+        "name@version") to every prompt; `adapters` gives one per prompt
+        (None for the base model)."""
         prompts = _as_prompt_list(prompts)
         params_list = _broadcast("params", params if params is not None else SamplingParams(), len(prompts))
         tiers = _broadcast("tier", tier, len(prompts))
+        if adapter is not None and adapters is not None:
+            raise ValidationError("adapters", "give adapter or adapters, not both")
+        per_prompt = _broadcast("adapters", list(adapters) if adapters is not None else adapter, len(prompts))
         ids = []
         try:
-            for prompt, p, t in zip(prompts, params_list, tiers):
-                ids.append(self.engine.add_request(prompt, p, tier=t))
+            for prompt, p, t, a in zip(prompts, params_list, tiers, per_prompt):
+                ids.append(self.engine.add_request(prompt, p, tier=t, adapter=a))
             return self._run(ids)
         except BaseException:
             for request_id in ids:

@@ -8,12 +8,16 @@ token, and measures the step's busy time.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.sampler import Sampler
 from engine.step_io import CopyOp, RunnerOutput, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from adapters.runtime import LoraRuntime
 
 
 class ModelRunner:
@@ -27,6 +31,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: frozenset[int] = frozenset(),
+        lora: LoraRuntime | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -35,6 +40,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.lora = lora
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -44,14 +50,19 @@ class ModelRunner:
             self._copy_blocks(sched.copies)
         sampled = {}
         if sched.requests:
-            input_ids, positions, meta = self._prepare_inputs(sched.requests)
-            self.attn_backend.prepare(meta)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            to_sample = [r for r in sched.requests if r.sample]
+            # With LoRA the batch is reordered so each adapter's tokens are contiguous.
+            reqs = self.lora.begin_step(sched.requests) if self.lora else sched.requests
+            try:
+                input_ids, positions, meta = self._prepare_inputs(reqs)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            finally:
+                if self.lora:
+                    self.lora.end_step()
+            to_sample = [r for r in reqs if r.sample]
             if to_sample:
                 # Only the last position of each sampling slice reaches the LM head.
                 last = meta.query_start_loc[1:].to(torch.int64) - 1
-                rows = torch.tensor([i for i, r in enumerate(sched.requests) if r.sample],
+                rows = torch.tensor([i for i, r in enumerate(reqs) if r.sample],
                                     dtype=torch.int64, device=self.device)
                 logits = self.model.compute_logits(hidden[last[rows]])
                 sampled = self.sampler.sample(logits, to_sample, self.eos_token_ids)

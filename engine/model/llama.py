@@ -96,9 +96,15 @@ class PackedLinear(nn.Module):
         self.weight = _empty((total, in_features), dtype, device)
         self.bias = _empty((total,), dtype, device) if bias else None
         self.param_names = ("weight", "bias") if bias else ("weight",)
+        # Set by the engine builder when LoRA is on: adds the step's
+        # per-token adapter deltas into the output, hook(x, out).
+        self.lora_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_hook is not None:
+            self.lora_hook(x, out)
+        return out
 
     def load_slice(self, name: str, param: str, tensor: torch.Tensor) -> None:
         target = self.weight if param == "weight" else self.bias
@@ -225,6 +231,16 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(hidden, cos, sin, kv_cache, meta)
             return self.norm(hidden)
+
+    def packed_linears(self) -> dict[tuple[int, str], PackedLinear]:
+        """(layer, "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj") -> projection."""
+        found = {}
+        for i, layer in enumerate(self.layers):
+            found[(i, "qkv_proj")] = layer.self_attn.qkv_proj
+            found[(i, "o_proj")] = layer.self_attn.o_proj
+            found[(i, "gate_up_proj")] = layer.mlp.gate_up_proj
+            found[(i, "down_proj")] = layer.mlp.down_proj
+        return found
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
