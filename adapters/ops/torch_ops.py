@@ -13,14 +13,65 @@ per segment), and callers should stack the A matrices of projections that
 share an input (q/k/v, gate/up) into one `[num_slots, n * R, H_in]` stack,
 so one shrink runs one matmul per segment instead of n. Measurements are in
 benchmarks/sgmv_kernel.py.
+
+Many short segments (decodes of many adapters: a token or a few each) would
+still mean one tiny matmul per segment, and on 2 cores the calls dominated
+a 32-adapter step. Segments of at most SHORT_SEGMENT tokens are therefore
+gathered into one padded batch and done with one `bmm` per op; long segments
+(prefill chunks) keep their own matmul. The gather plan is built once per
+step and cached on the metadata.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from adapters.ops.base import LoraOps, check_expand, check_shrink
 from adapters.ops.meta import SGMVMeta
+
+SHORT_SEGMENT = 8
+_MIN_SHORT_SEGMENTS = 4  # fewer than this: the per-segment loop is as cheap
+
+
+@dataclass
+class _Plan:
+    """How this step's segments are computed, built once per step."""
+
+    long_segments: list[int]  # indices of segments done one matmul each
+    rows: torch.Tensor | None  # [S_short, L] token rows of the short segments, padded with row 0
+    slots: torch.Tensor | None  # [S_short] their slots
+    valid: torch.Tensor | None  # [S_short * L] bool: a real row, not padding
+    valid_rows: torch.Tensor | None  # [n_valid] the real rows, in the same order
+
+
+def _plan(meta: SGMVMeta) -> _Plan:
+    cached = getattr(meta, "_torch_plan", None)
+    if cached is not None:
+        return cached
+    short = [i for i, n in enumerate(meta.seg_lens_host) if n <= SHORT_SEGMENT]
+    if len(short) < _MIN_SHORT_SEGMENTS:
+        plan = _Plan(list(range(meta.num_segments)), None, None, None, None)
+    else:
+        width = max(meta.seg_lens_host[i] for i in short)
+        table, mask = [], []
+        for i in short:
+            start, n = meta.seg_starts_host[i], meta.seg_lens_host[i]
+            table.append(list(range(start, start + n)) + [0] * (width - n))
+            mask.extend([True] * n + [False] * (width - n))
+        device = meta.seg_lens.device
+        rows = torch.tensor(table, dtype=torch.int64, device=device)
+        valid = torch.tensor(mask, dtype=torch.bool, device=device)
+        plan = _Plan(
+            long_segments=[i for i, n in enumerate(meta.seg_lens_host) if n > SHORT_SEGMENT],
+            rows=rows,
+            slots=torch.tensor([meta.seg_slots_host[i] for i in short], dtype=torch.int64, device=device),
+            valid=valid,
+            valid_rows=rows.reshape(-1)[valid],
+        )
+    meta._torch_plan = plan
+    return plan
 
 
 def sgmv_shrink(
@@ -37,10 +88,15 @@ def sgmv_shrink(
         return
     if out.dtype != x.dtype:  # low-precision x into a float32 out: multiply in float32
         x, lora_a = x.float(), lora_a.float()
-    sizes = meta.row_split_sizes
+    plan = _plan(meta)
+    if plan.rows is not None:
+        # [S, L, H_in] @ [S, H_in, R] -> [S, L, R], real rows written back.
+        ys = torch.bmm(x[plan.rows], lora_a[plan.slots].transpose(1, 2))
+        out.index_copy_(0, plan.valid_rows, ys.reshape(-1, ys.shape[-1])[plan.valid])
     a_t = lora_a.transpose(1, 2).unbind(0)  # per slot [H_in, R]
-    for x_seg, out_seg, slot in zip(x.split(sizes)[1::2], out.split(sizes)[1::2], meta.seg_slots_host):
-        torch.mm(x_seg, a_t[slot], out=out_seg)
+    for i in plan.long_segments:
+        start, n = meta.seg_starts_host[i], meta.seg_lens_host[i]
+        torch.mm(x[start:start + n], a_t[meta.seg_slots_host[i]], out=out[start:start + n])
 
 
 def sgmv_expand(
@@ -54,12 +110,17 @@ def sgmv_expand(
     check_expand(y, lora_b, meta, out, offset)
     if not meta.has_lora:
         return
-    sizes = meta.row_split_sizes
-    y_segs = y.to(out.dtype).split(sizes)[1::2]
-    out_segs = out[:, offset : offset + lora_b.shape[1]].split(sizes)[1::2]
+    y = y.to(out.dtype)
+    cols = out[:, offset : offset + lora_b.shape[1]]
+    plan = _plan(meta)
+    if plan.rows is not None:
+        # [S, L, R] @ [S, R, H_out] -> [S, L, H_out], real rows added in.
+        deltas = torch.bmm(y[plan.rows], lora_b[plan.slots].transpose(1, 2))
+        cols.index_add_(0, plan.valid_rows, deltas.reshape(-1, deltas.shape[-1])[plan.valid])
     b_t = lora_b.transpose(1, 2).unbind(0)  # per slot [R, H_out]
-    for y_seg, out_seg, slot in zip(y_segs, out_segs, meta.seg_slots_host):
-        out_seg.addmm_(y_seg, b_t[slot])
+    for i in plan.long_segments:
+        start, n = meta.seg_starts_host[i], meta.seg_lens_host[i]
+        cols[start:start + n].addmm_(y[start:start + n], b_t[meta.seg_slots_host[i]])
 
 
 class TorchLoraOps(LoraOps):

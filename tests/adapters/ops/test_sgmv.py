@@ -50,6 +50,8 @@ BATCHES = {  # (new tokens, slot) per request in batch order; None = no adapter
     "merged_runs": [(2, 1), (3, 1), (1, None), (2, 1), (0, 0), (1, 1)],
     "decode": [(1, 0), (1, 2), (1, None), (1, 1), (1, 0)],
     "long_segment": [(70, 1), (2, 0)],  # two row tiles of 64 in one segment
+    # Short segments batched into one padded bmm beside long ones done alone.
+    "short_and_long": [(1, 0), (3, 1), (40, 2), (1, None), (2, 0), (1, 1), (5, 2), (12, 1), (8, 0)],
 }
 
 
