@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: serve test install install-test bench clean-venv
+.PHONY: serve test install install-test bench demo-adapters clean-venv
 
 serve: $(SERVE_STAMP)
 	$(VENV)/bin/loragw serve $(ARGS)
@@ -34,6 +34,11 @@ $(TEST_STAMP): $(SERVE_STAMP) pyproject.toml
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/prefix_cache.py
+
+# Fine-tunes the `pirate` and `terse-json` LoRA adapters (peft, a test extra) on
+# the CPU, imports them into the registry and compares them with the base model.
+demo-adapters: $(TEST_STAMP)
+	$(PY) -m adapters.demo
 
 clean-venv:
 	rm -rf $(VENV)
