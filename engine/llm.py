@@ -78,7 +78,7 @@ class LLM:
         while pending:
             if not self.engine.has_unfinished():
                 raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished and out.request_id in pending:
                     pending.discard(out.request_id)
                     done[out.request_id] = out

@@ -119,7 +119,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; the outputs of the requests it changed (with
+        `final_only`, of those it finished, as `LLM.generate` needs)."""
         failed = self._fail_unloadable_adapters()
         result = self.core.step()
         if result is None:
@@ -132,7 +134,7 @@ class LLMEngine:
             self.output_processor.mark_scheduled(item.group_id, now, item.cached_prompt_tokens)
         for sink in self.usage_sinks:
             sink(result.usage)
-        processed = self.output_processor.process(result.updates, now)
+        processed = self.output_processor.process(result.updates, now, final_only=final_only)
         for seq_id in processed.stopped:
             self.core.scheduler.finish_request(seq_id, FinishReason.STOP)
         return failed + processed.outputs

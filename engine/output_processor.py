@@ -80,7 +80,12 @@ class OutputProcessor:
             group.metrics.first_scheduled_time = now
             group.num_cached_tokens = num_cached_tokens
 
-    def process(self, updates: list[RequestUpdate], now: float) -> ProcessedStep:
+    def process(self, updates: list[RequestUpdate], now: float, *, final_only: bool = False) -> ProcessedStep:
+        """Apply one step's updates. Every request that changed gets an
+        output, a snapshot of its completions so far; with `final_only`, only
+        the requests that finished do. The offline API reads nothing else,
+        and snapshotting every running request costs O(tokens so far) per
+        request per step, O(length^2) over a generation."""
         step = ProcessedStep(outputs=[])
         for group in self._groups.values():
             for c in group.completions:
@@ -100,6 +105,8 @@ class OutputProcessor:
                 if group.finished:
                     group.metrics.finished_time = now
                     del self._groups[group.request_id]
+                elif final_only:
+                    continue
                 step.outputs.append(group.output())
         return step
 

@@ -128,7 +128,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.attn_backend = attn_backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = PackedLinear(
             config.hidden_size, (("q", q_size), ("k", kv_size), ("v", kv_size)), bias, dtype, device
@@ -144,10 +144,12 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # q and k heads sit side by side in qkv: rotate them in one pass
+        # (elementwise, so bit-identical to rotating each on its own).
+        qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
