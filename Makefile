@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
+# The slowest tests are listed so CI time stays visible.
+PYTEST_ARGS ?= --durations=15
 
 .PHONY: serve test install install-test bench demo-adapters clean-venv
 
