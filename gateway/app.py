@@ -1,0 +1,90 @@
+"""The app factory: wires store, engine client, registry and admission into
+one Starlette app. Everything is built here and passed down; no module
+holds state of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from starlette.applications import Starlette
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.errors import install_error_handlers
+from gateway.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Gateway:
+    """Everything a route may use, reached through `deps.gateway_of`."""
+
+    config: GatewayConfig
+    store: Store
+    engine: EngineClient
+    admission: object  # gateway.admission.AdmissionController
+    clock: Callable[[], float] = time.monotonic  # rates, deadlines
+    wall_clock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.UTC))
+    draining: bool = False
+    in_flight: int = 0  # requests inside an /v1 handler, for the drain
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.engine.model_dir.name
+
+    @property
+    def registry(self):
+        return self.engine.adapter_registry
+
+
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`: the client's if it sent a sane
+    one, else a fresh one. Pure ASGI so that streaming bodies pass through."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = sent if 0 < len(sent) <= 128 and sent.isprintable() else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(gateway: Gateway) -> Starlette:
+    from gateway.routes import admin, health, openai_api, openapi
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await gateway.engine.start()
+        try:
+            yield
+        finally:
+            await gateway.engine.shutdown()
+            await gateway.store.close()
+
+    routes = health.routes() + openai_api.routes() + admin.routes() + openapi.routes()
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    return app

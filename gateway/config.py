@@ -1,0 +1,53 @@
+"""Gateway configuration: what `loragw serve` takes as flags or LORAGW_* env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    """Admission limits for one tier, checked before a request reaches the engine.
+
+    `max_waiting`: requests admitted to the engine that have not produced
+    their first token yet. `max_queued_tokens`: the prompt tokens those
+    waiting requests hold; None derives it from the tier's share of the KV
+    cache times `kv_overcommit`, so the queue never holds much more work than
+    the cache can start on."""
+
+    max_waiting: int = 64
+    max_queued_tokens: int | None = None
+    kv_overcommit: float = 2.0
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db_url: str | None = None  # None: SQLite in the data directory
+    admin_token: str | None = None  # None: the admin API answers 401 to everyone
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None  # None: the checkpoint directory's name
+    # Tiers off means plain FCFS: no premium reserve, no tier ordering, no
+    # admission limits (the baseline of benchmarks/tiers.py).
+    enable_tiers: bool = True
+    premium: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
+    standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
+    drain_timeout_s: float = 30.0
+    max_upload_bytes: int = 256 * 1024 * 1024
+    data_dir: Path | None = None  # None: $LORAGW_DATA_DIR or the user data dir
+
+    def resolved_data_dir(self) -> Path:
+        from adapters.registry import default_data_dir
+
+        return Path(self.data_dir) if self.data_dir is not None else default_data_dir()
+
+    def resolved_db_url(self) -> str:
+        if self.db_url:
+            return self.db_url
+        path = self.resolved_data_dir() / "loragw.db"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite+aiosqlite:///{path}"

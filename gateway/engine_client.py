@@ -1,0 +1,211 @@
+"""The gateway's only view of the engine.
+
+`EngineClient` is the seam the architecture names: the gateway prepares an
+`EngineRequest` (tokens, sampling, tier, adapter, cache salt) and reads back
+`RequestOutput`s. `InProcessEngineClient` runs the engine in this process,
+its step loop on a thread; remote engine workers will implement the same
+interface. The gateway never reaches past it into the scheduler.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.request import Tier
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    tenant_id: str
+    tier: Tier
+    prompt_ids: list[int]
+    params: SamplingParams
+    # The adapter's registry key (name, version, digest), resolved by the
+    # gateway so the engine serves exactly the version that was authorized.
+    adapter_key: tuple[str, int, str] | None
+    cache_salt: str
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """The engine's KV cache in tokens, for admission control."""
+
+    total_tokens: int
+    premium_reserved_tokens: int
+
+    def usable_tokens(self, tier: Tier) -> int:
+        reserved = self.premium_reserved_tokens if tier is Tier.STANDARD else 0
+        return self.total_tokens - reserved
+
+
+class EngineNotReady(Exception):
+    """The model is still loading (or failed to load)."""
+
+
+class EngineClient(abc.ABC):
+    """Contract: `start()` begins loading and returns at once; `ready` turns
+    true when requests can be served. Every other method except `shutdown`
+    raises EngineNotReady before that. `generate` yields incremental outputs
+    and aborts the request if the caller stops iterating early."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def load_error(self) -> str | None:
+        """Why loading failed, if it did."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def model_dir(self) -> Path: ...
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def kv_capacity(self) -> KVCapacity: ...
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def adapter_registry(self):
+        """The `adapters.registry.AdapterRegistry` the engine loads from,
+        validated against this base model; None with LoRA off."""
+
+    def add_usage_sink(self, sink) -> None:
+        """`sink(StepUsage)` is called, on the engine's thread, after every step."""
+        raise NotImplementedError(f"{type(self).__name__} does not report step usage")
+
+
+class InProcessEngineClient(EngineClient):
+    """The engine in this process. The model loads on a thread so the server
+    answers /health and /ready while it loads."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._engine = None  # engine.async_engine.AsyncEngine once loaded
+        self._loaded = threading.Event()
+        self._load_error: str | None = None
+        self._sinks: list = []
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None and not self._engine.is_dead
+
+    @property
+    def load_error(self) -> str | None:
+        return self._load_error
+
+    async def start(self) -> None:
+        threading.Thread(target=self._load, name="loragw-model-load", daemon=True).start()
+
+    def _load(self) -> None:
+        from engine.async_engine import AsyncEngine
+        from engine.builder import build_llm_engine
+
+        try:
+            llm_engine = build_llm_engine(self.config)
+            llm_engine.usage_sinks.extend(self._sinks)
+            self._engine = AsyncEngine(llm_engine)
+            log.info("model ready: %s", llm_engine.model_dir)
+        except Exception as exc:  # noqa: BLE001 - reported through /ready and load_error
+            log.exception("model failed to load")
+            self._load_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._loaded.set()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once loaded; False if loading failed or timed out."""
+        await asyncio.to_thread(self._loaded.wait, timeout)
+        return self.ready
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
+
+    @property
+    def _llm(self):
+        if self._engine is None:
+            raise EngineNotReady(self._load_error or "the model is still loading")
+        return self._engine.engine
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self._llm.model_dir)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._llm.max_model_len
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        kv = self._llm.scheduler.kv
+        return KVCapacity(total_tokens=kv.block_pool.num_blocks * kv.block_size,
+                          premium_reserved_tokens=kv.premium_reserved_blocks * kv.block_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._llm.tokenize(text)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self._llm.apply_chat_template(messages)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._llm.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    @property
+    def adapter_registry(self):
+        return self._llm.adapters
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if self._engine is None:
+            raise EngineNotReady(self._load_error or "the model is still loading")
+        return self._engine.generate(
+            request.prompt_ids, request.params, request_id=request.request_id, tier=request.tier,
+            adapter_key=request.adapter_key, cache_salt=request.cache_salt)
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
+
+    def add_usage_sink(self, sink) -> None:
+        if self._engine is not None:
+            self._engine.engine.usage_sinks.append(sink)
+        else:
+            self._sinks.append(sink)
+

@@ -1,0 +1,128 @@
+"""HTTP errors in OpenAI's shape, and the one place exceptions become them.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}` with a
+string `code`. Route code raises `APIError` subclasses (or lets a typed
+engine/store error through); `install_error_handlers` maps all of them, so
+no route builds an error response by hand and bad input never turns into
+a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from engine.errors import EngineDeadError
+from engine.errors import ValidationError as EngineValidationError
+from gateway.store.base import Conflict, NotFound
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class AuthenticationFailed(APIError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class PermissionDenied(APIError):
+    status, type, code = 403, "permission_error", "permission_denied"
+
+
+class ModelNotFound(APIError):
+    """Unknown model or adapter, and also another tenant's adapter: the
+    answer is the same, so an adapter's existence is never revealed."""
+
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class ResourceNotFound(APIError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class ResourceConflict(APIError):
+    status, type, code = 409, "invalid_request_error", "conflict"
+
+
+class PayloadTooLarge(APIError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class RateLimited(APIError):
+    """429: `limit` names what was hit; `retry_after_s` becomes Retry-After."""
+
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: float):
+        seconds = max(1, int(-(-retry_after_s // 1)))  # whole seconds, rounded up
+        super().__init__(message, code=limit, headers={"Retry-After": str(seconds)})
+        self.limit = limit
+        self.retry_after_s = seconds
+
+
+class ServiceUnavailable(APIError):
+    status, type, code = 503, "service_unavailable", "service_unavailable"
+
+
+class InternalError(APIError):
+    pass
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The API error for any exception; unknown ones become a bare 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineValidationError):
+        return InvalidRequest(exc.message, param=exc.param)
+    if isinstance(exc, NotFound):
+        return ResourceNotFound(exc.message, param=exc.param)
+    if isinstance(exc, Conflict):
+        return ResourceConflict(exc.message, param=exc.param)
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailable("the inference engine is not running", code="engine_unavailable")
+    if isinstance(exc, HTTPException):
+        error = {404: ResourceNotFound, 405: InvalidRequest, 401: AuthenticationFailed}.get(exc.status_code, APIError)
+        out = error(exc.detail or "error")
+        out.status = exc.status_code
+        if exc.status_code == 405:
+            out.code = "method_not_allowed"
+        return out
+    log.error("unhandled error", exc_info=exc)
+    return InternalError("internal server error")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    error = to_api_error(exc)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: Starlette) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    app.add_exception_handler(Exception, handle)
+    app.add_exception_handler(HTTPException, handle)
