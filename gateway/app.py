@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from starlette.applications import Starlette
@@ -21,6 +22,8 @@ from gateway.errors import install_error_handlers
 from gateway.store.base import Store
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -38,7 +41,13 @@ class Gateway:
 
     @property
     def served_model_name(self) -> str:
-        return self.config.served_model_name or self.engine.model_dir.name
+        """The base model's id in the API: the configured name, the bundled
+        model's own name, or the checkpoint directory's name."""
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        if self.config.engine.model is None:
+            return DEFAULT_MODEL_NAME
+        return Path(self.config.engine.model).name
 
     @property
     def registry(self):
