@@ -3,6 +3,7 @@
 `Store` is the contract; `SqlStore` implements it over SQLAlchemy (SQLite
 through aiosqlite by default, PostgreSQL through asyncpg)."""
 
-from gateway.store.base import Store
+from gateway.store.base import Conflict, NotFound, Store
+from gateway.store.sql import SqlStore
 
-__all__ = ["Store"]
+__all__ = ["Conflict", "NotFound", "SqlStore", "Store"]

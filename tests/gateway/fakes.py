@@ -1,0 +1,63 @@
+"""A model-free `EngineClient` for tests that need the gateway, not the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from adapters.registry import AdapterRegistry
+from gateway.engine_client import EngineClient, KVCapacity
+
+
+class FakeEngineClient(EngineClient):
+    """Ready at once, with a real adapter registry (so uploads are validated
+    against the base model's shapes) and no model: generating raises."""
+
+    def __init__(self, registry: AdapterRegistry, model_dir: Path = Path("tiny-llama")):
+        self._registry = registry
+        self._model_dir = Path(model_dir)
+        self.started = False
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def load_error(self) -> str | None:
+        return None
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+
+    @property
+    def model_dir(self) -> Path:
+        return self._model_dir
+
+    @property
+    def max_model_len(self) -> int:
+        return 2048
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        return KVCapacity(total_tokens=4096, premium_reserved_tokens=1024)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.tokenize("".join(m.get("content", "") for m in messages))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    def generate(self, request):
+        raise NotImplementedError("FakeEngineClient has no model")
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    @property
+    def adapter_registry(self) -> AdapterRegistry:
+        return self._registry
