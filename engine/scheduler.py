@@ -133,17 +133,18 @@ class Scheduler:
         self._make_room_for_premium(plan)
         num_admission_preemptions = len(plan.preemptions)
 
-        decodes = [r for r in self.running if r.num_remaining_tokens == 1]
-        prefills = [r for r in self.running if r.num_remaining_tokens > 1]
-        for req in decodes + prefills:
-            if plan.budget == 0:
-                break
-            if req.status is RequestStatus.RUNNING:
-                self._schedule_running(req, plan)
-
-        # Under memory pressure, admitting more would only preempt again.
-        if len(plan.preemptions) == num_admission_preemptions:
-            self._admit_waiting(plan)
+        # Decodes first (one token each, at most one new block), then tier by
+        # tier the prefill chunks and admissions: premium prefill never waits
+        # behind standard prefill, which keeps premium TTFT near an idle
+        # server's. Standard decodes still go before premium prefill so that
+        # they grow in the shared pool and premium can use its reserve.
+        self._schedule_running_all([r for r in self.running if r.num_remaining_tokens == 1], plan)
+        for tier in self._tier_order():
+            self._schedule_running_all([r for r in self.running if r.num_remaining_tokens > 1
+                                        and self._tier(r) is tier], plan)
+            # Under memory pressure, admitting more would only preempt again.
+            if len(plan.preemptions) == num_admission_preemptions:
+                self._admit_waiting(plan, tier)
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -185,6 +186,13 @@ class Scheduler:
 
     # ---- scheduling helpers ----------------------------------------------------------
 
+    def _schedule_running_all(self, reqs: list[Request], plan: _StepPlan) -> None:
+        for req in reqs:
+            if plan.budget == 0:
+                return
+            if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+                self._schedule_running(req, plan)
+
     def _schedule_running(self, req: Request, plan: _StepPlan) -> None:
         num_new = min(req.num_remaining_tokens, plan.budget)
         while True:
@@ -199,25 +207,29 @@ class Scheduler:
                 return
             self._preempt(victim, plan, caused_by=req.request_id)
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
-        """Premium first, FCFS within a tier. Only a request held back by its
-        adapter (no free slot, weights still loading) may be passed; one that
-        does not fit in the KV cache stops admission, so nothing jumps it."""
-        for tier in (Tier.PREMIUM, Tier.STANDARD):
-            queue, i = self.waiting[tier], 0
-            while i < len(queue):
-                if plan.budget == 0:
-                    return
-                req = queue[i]
-                num_seqs = sum(r.num_seqs for r in self.running)
-                if self.running and num_seqs + req.num_seqs > self.config.max_num_seqs:
-                    return
-                if self.adapters.verdict(req, self._step_id) is not SlotVerdict.ADMIT:
-                    i += 1
-                    continue
-                if not self._admit(req, plan):
-                    return
-                del queue[i]
+    def _tier_order(self) -> tuple[Tier, ...]:
+        return (Tier.PREMIUM, Tier.STANDARD) if self.config.enable_tiers else (Tier.STANDARD,)
+
+    def _admit_waiting(self, plan: _StepPlan, tier: Tier) -> None:
+        """FCFS within the tier. Only a request held back by its adapter (no
+        free slot, weights still loading) may be passed; one that does not
+        fit in the KV cache stops admission, so nothing jumps it."""
+        queue, i = self.waiting[tier], 0
+        while i < len(queue):
+            if plan.budget == 0:
+                return
+            req = queue[i]
+            if self.running and self._num_running_seqs() + req.num_seqs > self.config.max_num_seqs:
+                return
+            if self.adapters.verdict(req, self._step_id) is not SlotVerdict.ADMIT:
+                i += 1
+                continue
+            if not self._admit(req, plan):
+                return
+            del queue[i]
+
+    def _num_running_seqs(self) -> int:
+        return sum(r.num_seqs for r in self.running)
 
     def _admit(self, req: Request, plan: _StepPlan) -> bool:
         prefix = self.kv.get_computed_blocks(req)
@@ -250,11 +262,15 @@ class Scheduler:
         needed = -(-chunk // self.block_size)
         # Blocks the running requests will take this step come first.
         needed += sum(self._blocks_to_grow(r) for r in self.running)
-        while self.kv.num_free_blocks() < needed:
+        # A seat too: with max_num_seqs standard requests running, premium
+        # would otherwise wait for one of them to finish.
+        seats = self._num_running_seqs() + head.num_seqs - self.config.max_num_seqs
+        while self.kv.num_free_blocks() < needed or seats > 0:
             victim = next((r for r in reversed(self.running) if r.tier is Tier.STANDARD), None)
             if victim is None:
                 return
             needed -= self._blocks_to_grow(victim)
+            seats -= victim.num_seqs
             self._preempt(victim, plan, caused_by=head.request_id)
 
     def _blocks_to_grow(self, req: Request) -> int:

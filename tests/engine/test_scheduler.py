@@ -38,6 +38,39 @@ def test_tiers_disabled_is_plain_fcfs():
     assert slices(out) == {"std": 8}
 
 
+def test_premium_prefill_goes_before_a_standard_prefill_in_progress():
+    s = make_scheduler(budget=16, block_size=4)
+    s.add_request(make_request("std", 40))
+    out, _ = step(s)
+    assert slices(out) == {"std": 16}
+    s.add_request(make_request("pre", 12, tier=Tier.PREMIUM))
+    out, _ = step(s)
+    # The standard chunk gets only what premium leaves of the budget.
+    assert slices(out) == {"pre": 12, "std": 4}
+    out, _ = step(s)
+    assert slices(out) == {"pre": 1, "std": 15}
+
+
+def test_premium_takes_a_seat_from_the_newest_standard_when_max_num_seqs_is_full():
+    s = make_scheduler(budget=64, max_seqs=2)
+    s.add_request(make_request("s1", 4, max_tokens=50))
+    s.add_request(make_request("s2", 4, max_tokens=50))
+    step(s)
+    s.add_request(make_request("p", 4, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert [(p.victim_id, p.caused_by) for p in out.preemptions] == [("s2", "p")]
+    assert slices(out) == {"s1": 1, "p": 4}
+    assert [r.request_id for r in s.waiting[Tier.STANDARD]] == ["s2"]
+    # With tiers off nobody takes a seat: premium waits like anyone else.
+    s = make_scheduler(budget=64, max_seqs=2, tiers=False)
+    s.add_request(make_request("s1", 4, max_tokens=50))
+    s.add_request(make_request("s2", 4, max_tokens=50))
+    step(s)
+    s.add_request(make_request("p", 4, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert not out.preemptions and slices(out) == {"s1": 1, "s2": 1}
+
+
 def test_chunked_prefill_splits_long_prompt_and_mixes_with_decodes():
     s = make_scheduler(budget=16, block_size=4)
     s.add_request(make_request("short", 4, max_tokens=10))
