@@ -124,5 +124,10 @@ def install_error_handlers(app: Starlette) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
+    # Expected errors go to Starlette's ExceptionMiddleware, which answers
+    # and is done. A handler for bare `Exception` runs in
+    # ServerErrorMiddleware, which re-raises after answering (so the server
+    # logs a traceback): keep that path for real 500s only.
+    for expected in (APIError, EngineValidationError, NotFound, Conflict, EngineDeadError, HTTPException):
+        app.add_exception_handler(expected, handle)
     app.add_exception_handler(Exception, handle)
-    app.add_exception_handler(HTTPException, handle)

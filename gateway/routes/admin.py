@@ -1,0 +1,209 @@
+"""The admin REST API (`/admin`): tenants, keys, adapters and usage.
+
+Every route is wrapped by `admin_endpoint`, which calls
+`deps.require_admin` (the admin bearer token, never a tenant key) before
+the handler runs. Handlers parse their input into a schema and call the
+`AdminService` that the CLI uses too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gateway.admin_service import AdminService
+from gateway.deps import gateway_of, require_admin
+from gateway.engine_client import EngineNotReady
+from gateway.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from gateway.schemas.admin import AdapterUpload, KeyCreate, ListOut, TenantCreate, TenantUpdate, parse
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "pytorch_model.bin")
+
+
+def service_of(request: Request) -> AdminService:
+    gw = gateway_of(request)
+
+    def registry():
+        try:
+            found = gw.registry
+        except EngineNotReady as exc:
+            raise ServiceUnavailable(f"the model is not loaded yet: {exc}", code="engine_not_ready") from None
+        if found is None:
+            raise InvalidRequest("LoRA adapters are disabled on this server (max_loras=0)", param="adapter")
+        return found
+
+    return AdminService(gw.store, registry=registry, now=gw.wall_clock)
+
+
+def admin_endpoint(handler: Callable[[Request, AdminService], Awaitable[object]], *, status: int = 200):
+    """A Starlette endpoint that checks the admin token before anything
+    else, runs `handler(request, service)` and sends its schema (or a list
+    of them) as JSON."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        require_admin(request)
+        result = await handler(request, service_of(request))
+        if isinstance(result, list):
+            result = ListOut(data=[item.model_dump(mode="json") for item in result])
+        return JSONResponse(result.model_dump(mode="json"), status_code=status)
+
+    return endpoint
+
+
+async def _body(request: Request) -> object:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+# ---- tenants ----
+
+async def list_tenants(request: Request, service: AdminService):
+    return await service.list_tenants()
+
+
+async def create_tenant(request: Request, service: AdminService):
+    return await service.create_tenant(parse(TenantCreate, await _body(request)))
+
+
+async def get_tenant(request: Request, service: AdminService):
+    return await service.get_tenant(request.path_params["tenant"])
+
+
+async def update_tenant(request: Request, service: AdminService):
+    return await service.update_tenant(request.path_params["tenant"], parse(TenantUpdate, await _body(request)))
+
+
+async def delete_tenant(request: Request, service: AdminService):
+    return await service.delete_tenant(request.path_params["tenant"])
+
+
+# ---- keys ----
+
+async def list_keys(request: Request, service: AdminService):
+    return await service.list_keys(request.path_params["tenant"])
+
+
+async def create_key(request: Request, service: AdminService):
+    return await service.create_key(request.path_params["tenant"], parse(KeyCreate, await _body(request)))
+
+
+async def revoke_key(request: Request, service: AdminService):
+    return await service.revoke_key(request.path_params["key_id"])
+
+
+# ---- adapters ----
+
+async def list_adapters(request: Request, service: AdminService):
+    return await service.list_adapters()
+
+
+async def upload_adapter(request: Request, service: AdminService):
+    """multipart/form-data: fields `name`, `tenant` (optional owner),
+    `shared` (optional bool) and the files adapter_config.json and
+    adapter_model.safetensors."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidRequest("an adapter upload is a multipart/form-data body")
+    request = await _buffered(request, gateway_of(request).config.max_upload_bytes)
+    try:
+        async with request.form(max_files=4, max_fields=8, max_part_size=64 * 1024) as form:
+            fields, files = {}, {}
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    files[key if key in (CONFIG_FILE, WEIGHTS_FILE) else (value.filename or key)] = value
+                else:
+                    fields[key] = value
+            upload = parse(AdapterUpload, fields)
+            config_json = await _file(files, CONFIG_FILE)
+            weights = await _file(files, WEIGHTS_FILE)
+    except (MultiPartException, HTTPException) as exc:  # Starlette re-raises the first as the second
+        raise InvalidRequest(f"malformed multipart upload: {getattr(exc, 'message', None) or exc.detail}") from None
+    return await service.upload_adapter(upload, config_json, weights)
+
+
+async def _file(files: dict[str, UploadFile], name: str) -> bytes:
+    if name in files:
+        return await files[name].read()
+    if name == WEIGHTS_FILE and any(pickled in files for pickled in PICKLE_FILES):
+        raise InvalidRequest(
+            "pickle-format weights (adapter_model.bin) are not accepted: unpickling can run arbitrary "
+            f"code; re-save the adapter with safe_serialization=True ({WEIGHTS_FILE})", param=WEIGHTS_FILE)
+    raise InvalidRequest(f"missing file {name}", param=name)
+
+
+async def _buffered(request: Request, limit: int) -> Request:
+    """The request with its body read into memory, or 413 past `limit`
+    bytes (checked against Content-Length first, then while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"upload of {declared} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"upload is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(request.scope, replay)
+
+
+async def get_adapter(request: Request, service: AdminService):
+    return await service.get_adapter(request.path_params["name"])
+
+
+async def delete_adapter(request: Request, service: AdminService):
+    return await service.delete_adapter(request.path_params["name"])
+
+
+# ---- usage ----
+
+async def usage(request: Request, service: AdminService):
+    """Per-tenant usage. The billing ledger fills `data`; until it exists
+    the list is empty (never made-up zeros). `?tenant=` must name a tenant."""
+    tenant = request.query_params.get("tenant")
+    if tenant is not None:
+        await service.get_tenant(tenant)
+    return []
+
+
+def routes() -> list[Route]:
+    def route(path: str, method: str, handler, status: int = 200) -> Route:
+        return Route(path, admin_endpoint(handler, status=status), methods=[method], name=handler.__name__)
+
+    return [
+        route("/admin/tenants", "GET", list_tenants),
+        route("/admin/tenants", "POST", create_tenant, 201),
+        route("/admin/tenants/{tenant}", "GET", get_tenant),
+        route("/admin/tenants/{tenant}", "PATCH", update_tenant),
+        route("/admin/tenants/{tenant}", "DELETE", delete_tenant),
+        route("/admin/tenants/{tenant}/keys", "GET", list_keys),
+        route("/admin/tenants/{tenant}/keys", "POST", create_key, 201),
+        route("/admin/keys/{key_id}", "DELETE", revoke_key),
+        route("/admin/adapters", "GET", list_adapters),
+        route("/admin/adapters", "POST", upload_adapter, 201),
+        route("/admin/adapters/{name}", "GET", get_adapter),
+        route("/admin/adapters/{name}", "DELETE", delete_adapter),
+        route("/admin/usage", "GET", usage),
+    ]

@@ -1,0 +1,142 @@
+"""Request and response bodies of the admin API (and of `loragw ... --json`).
+
+Inputs forbid unknown fields; `parse` turns a pydantic error into a 400
+whose `param` names the offending field. Outputs are what both the admin
+API and the CLI print, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from gateway.errors import InvalidRequest
+from gateway.tenancy import Tier
+
+TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN, description="a-z 0-9 _ -, at most 64")]
+Limit = Annotated[PositiveInt | None, Field(description="None (null) means unlimited")]
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse(model: type[Model], data: Any) -> Model:
+    """Validate `data` as `model`, or raise InvalidRequest naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = first["msg"] if param is None else f"{param}: {first['msg']}"
+        raise InvalidRequest(message, param=param) from None
+
+
+# ---- inputs ----
+
+class LimitsIn(_In):
+    max_concurrent: Limit = None
+    requests_per_minute: Limit = None
+    tokens_per_minute: Limit = None
+
+
+class TenantCreate(_In):
+    name: TenantName
+    tier: Tier = Tier.STANDARD
+    limits: LimitsIn = Field(default_factory=LimitsIn)
+
+
+class TenantUpdate(_In):
+    """Only the fields sent change; inside `limits`, only the limits sent
+    change, and an explicit null makes that limit unlimited."""
+
+    tier: Tier | None = None
+    limits: LimitsIn | None = None
+
+
+class KeyCreate(_In):
+    name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    expires_at: AwareDatetime | None = None
+    expires_in: PositiveInt | None = Field(default=None, description="seconds from now")
+
+    @model_validator(mode="after")
+    def _one_expiry(self) -> KeyCreate:
+        if self.expires_at is not None and self.expires_in is not None:
+            raise ValueError("give expires_at or expires_in, not both")
+        return self
+
+
+class AdapterUpload(_In):
+    """The form fields of an adapter upload (the files come beside them)."""
+
+    name: str
+    tenant: TenantName | None = None  # the owner; None for a platform adapter
+    shared: bool = False  # usable by every tenant
+
+
+# ---- outputs ----
+
+class LimitsOut(BaseModel):
+    max_concurrent: int | None
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+
+
+class TenantOut(BaseModel):
+    object: Literal["tenant"] = "tenant"
+    id: str
+    name: str
+    tier: Tier
+    limits: LimitsOut
+    created_at: dt.datetime | None
+
+
+class KeyOut(BaseModel):
+    object: Literal["api_key"] = "api_key"
+    id: str
+    tenant: str
+    prefix: str
+    name: str | None
+    status: Literal["active", "expired", "revoked"]
+    created_at: dt.datetime
+    expires_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+
+class IssuedKeyOut(KeyOut):
+    key: str = Field(description="the secret; shown this once and never again")
+
+
+class AdapterVersionOut(BaseModel):
+    version: int
+    ref: str
+    digest: str
+    rank: int
+    target_modules: list[str]
+    size_bytes: int
+    created_at: str
+
+
+class AdapterOut(BaseModel):
+    object: Literal["adapter"] = "adapter"
+    name: str
+    owner: str | None
+    shared: bool
+    latest_version: int
+    versions: list[AdapterVersionOut]
+
+
+class Deleted(BaseModel):
+    object: str
+    id: str
+    deleted: Literal[True] = True
+
+
+class ListOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Any]
