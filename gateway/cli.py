@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from gateway import cli_admin
 import time
 
 DEMO_QUESTIONS = [
@@ -78,49 +80,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"bot> {answer}\n     [{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]")
 
 
-def _add_adapters_parser(sub) -> None:
-    """`loragw adapters import|list|rm`: the registry in the data dir
-    ($LORAGW_DATA_DIR), the same one the engine and the gateway read."""
-    adapters = sub.add_parser("adapters", help="manage the LoRA adapter registry")
-    cmds = adapters.add_subparsers(dest="adapters_command", required=True)
-    imp = cmds.add_parser("import", help="validate a PEFT adapter directory and store it")
-    imp.add_argument("name", help="adapter name: a-z 0-9 . _ -, at most 64 characters")
-    imp.add_argument("dir", help="directory with adapter_config.json and adapter_model.safetensors")
-    imp.add_argument("--model", default=os.environ.get("LORAGW_MODEL"),
-                     help="base checkpoint to validate against; default: bundled SmolLM2-135M-Instruct")
-    imp.add_argument("--max-lora-rank", type=int, default=64)
-    ls = cmds.add_parser("list", help="list adapters (latest version of each name)")
-    ls.add_argument("--all", action="store_true", help="list every version")
-    rm = cmds.add_parser("rm", help="delete NAME (every version) or NAME@VERSION")
-    rm.add_argument("ref")
-
-
-def _adapters(args: argparse.Namespace) -> int:
-    from adapters.registry import AdapterRegistry, parse_ref
-    from engine.errors import EngineError
-
-    try:
-        if args.adapters_command == "import":
-            from engine.model.loader import load_hf_config, resolve_model_dir
-
-            base_config = load_hf_config(resolve_model_dir(args.model))
-            registry = AdapterRegistry(base_config=base_config, max_lora_rank=args.max_lora_rank)
-            m = registry.import_dir(args.name, args.dir)
-            print(f"{m.ref} {m.digest}")
-        elif args.adapters_command == "list":
-            for m in AdapterRegistry().list(all_versions=args.all):
-                modules = ",".join(m.target_modules)
-                print(f"{m.ref}\t{m.digest[:12]}\tr={m.rank}\t{modules}\t{m.size_bytes}B\t{m.created_at}")
-        else:
-            name, version = parse_ref(args.ref, param="ref")
-            AdapterRegistry().delete(name, version)
-            print(f"deleted {args.ref}")
-    except (EngineError, OSError) as exc:
-        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loragw", description="multi-tenant LoRA inference gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_flags(serve)
     serve.add_argument("--prompt", help="answer one question and exit")
     serve.add_argument("--max-tokens", type=int, default=128)
-    _add_adapters_parser(sub)
+    cli_admin.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "adapters":
-        return _adapters(args)
+    if args.command in cli_admin.COMMANDS:
+        return cli_admin.run(args)
     return 2
 
 
