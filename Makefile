@@ -34,6 +34,7 @@ $(TEST_STAMP): $(SERVE_STAMP) pyproject.toml
 	touch $@
 
 bench: $(TEST_STAMP)
+	$(PIP) -e '.[test,bench]'
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/prefix_cache.py
 
