@@ -1,92 +1,104 @@
 """The `loragw` command.
 
-`loragw serve` is, until the HTTP gateway lands, a chat demo on the default
-model: interactive on a terminal, one-shot otherwise.
+`loragw serve` runs the HTTP gateway (OpenAI-compatible /v1, admin /admin)
+on an in-process engine; every flag has a LORAGW_* environment variable.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 from gateway import cli_admin
-import time
-
-DEMO_QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for writing clear code.",
-]
 
 
-def _engine_args(args: argparse.Namespace) -> dict:
-    out = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-           "max_num_batched_tokens": args.max_num_batched_tokens}
-    if args.kv_cache_memory is not None:
-        out["kv_cache_memory"] = args.kv_cache_memory
-    return out
+def _env_flag(p: argparse.ArgumentParser, flag: str, *, default=None, help: str = "", **kwargs) -> None:
+    """`--some-flag`, defaulting to $LORAGW_SOME_FLAG, else `default`
+    (argparse applies `type` to a string default, so the env value is parsed too)."""
+    env = "LORAGW_" + flag.lstrip("-").replace("-", "_").upper()
+    if kwargs.get("action") == "store_true":
+        default = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
+    else:
+        default = os.environ.get(env, default)
+    p.add_argument(flag, default=default, help=f"{help} [env {env}]".strip(), **kwargs)
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument("--model", default=env("LORAGW_MODEL"),
-                   help="local HF-format Llama checkpoint; default: bundled SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default=env("LORAGW_DTYPE", "auto"),
-                   choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=int(env("LORAGW_MAX_NUM_SEQS", "128")))
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(env("LORAGW_MAX_NUM_BATCHED_TOKENS", "1024")))
-    p.add_argument("--kv-cache-memory", type=int, default=env("LORAGW_KV_CACHE_MEMORY"),
-                   help="KV cache budget in bytes")
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="run the HTTP gateway (OpenAI-compatible API and admin API)")
+    f = functools.partial(_env_flag, serve)
+    f("--host", default="127.0.0.1", help="interface to listen on")
+    f("--port", type=int, default=8000)
+    f("--model", help="local HF-format Llama checkpoint; default: bundled SmolLM2-135M-Instruct")
+    f("--served-model-name", help="the base model's id in the API; default: the checkpoint's name")
+    f("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    f("--db", help="SQLAlchemy URL (sqlite+aiosqlite:///... or postgresql+asyncpg://...); "
+                   "default: loragw.db in the data directory ($LORAGW_DATA_DIR)")
+    f("--admin-token", help="bearer token of the /admin API; unset: /admin refuses everyone")
+    f("--max-num-seqs", type=int, default=128, help="sequences running at once")
+    f("--max-num-batched-tokens", type=int, default=1024, help="tokens per engine step")
+    f("--max-model-len", type=int, help="context length; default: the model's")
+    f("--kv-cache-memory", type=int, help="KV cache budget in bytes")
+    f("--max-loras", type=int, default=4, help="adapters resident on the device at once (0: LoRA off)")
+    f("--max-lora-rank", type=int, default=16)
+    f("--premium-reserved-fraction", type=float, default=0.2,
+      help="share of the KV cache only premium requests may use")
+    f("--premium-max-waiting", type=int, default=64, help="premium requests queued before 429")
+    f("--standard-max-waiting", type=int, default=64, help="standard requests queued before 429")
+    f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
+    f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _serve_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    from gateway.config import GatewayConfig, TierLimits
+
+    tiers = not args.no_tiers
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        premium_reserved_fraction=args.premium_reserved_fraction if tiers else 0.0, enable_tiers=tiers)
+    return GatewayConfig(
+        host=args.host, port=args.port, db_url=args.db, admin_token=args.admin_token or None, engine=engine,
+        served_model_name=args.served_model_name, enable_tiers=tiers,
+        premium=TierLimits(max_waiting=args.premium_max_waiting),
+        standard=TierLimits(max_waiting=args.standard_max_waiting), drain_timeout_s=args.drain_timeout)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from engine.errors import EngineError
+    import asyncio
+    import logging
 
-    t0 = time.perf_counter()
+    from sqlalchemy.exc import SQLAlchemyError
+
+    import migrations
+    from engine.errors import EngineError
+    from engine.model.loader import resolve_model_dir
+    from gateway import server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        llm = LLM(args.model, **_engine_args(args))
-    except EngineError as exc:
+        config = _serve_config(args)
+        config.engine.cache_config()  # validates the cache flags
+        resolve_model_dir(config.engine.model)  # fail now, not after the server is up
+        db_url = config.resolved_db_url()
+        migrations.upgrade(db_url)
+    except (EngineError, SQLAlchemyError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"loaded {llm.engine.model_dir} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    interactive = sys.stdin.isatty() and not args.prompt
-    questions = [args.prompt] if args.prompt else DEMO_QUESTIONS
-    history: list[dict] = []
-    while True:
-        if interactive:
-            try:
-                question = input("you> ").strip()
-            except EOFError:
-                return 0
-            if not question:
-                continue
-        elif questions:
-            question = questions.pop(0)
-            print(f"you> {question}")
-        else:
-            return 0
-        history.append({"role": "user", "content": question})
-        start = time.perf_counter()
-        out = llm.chat(history, params)[0]
-        elapsed = time.perf_counter() - start
-        answer = out.outputs[0].text.strip()
-        history.append({"role": "assistant", "content": answer})
-        if not interactive:
-            history.clear()
-        n = len(out.outputs[0].token_ids)
-        print(f"bot> {answer}\n     [{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]")
+    if config.admin_token is None:
+        print("note: no --admin-token: the /admin API refuses every request", file=sys.stderr)
+    asyncio.run(server.serve(config, log_level=args.log_level))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loragw", description="multi-tenant LoRA inference gateway")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="chat with the model (the HTTP gateway comes later)")
-    _add_engine_flags(serve)
-    serve.add_argument("--prompt", help="answer one question and exit")
-    serve.add_argument("--max-tokens", type=int, default=128)
+    _add_serve_parser(sub)
     cli_admin.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -88,7 +88,9 @@ class EngineClient(abc.ABC):
     def kv_capacity(self) -> KVCapacity: ...
 
     @abc.abstractmethod
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt; a token-id prompt comes back checked
+        against the vocabulary (ValidationError otherwise)."""
 
     @abc.abstractmethod
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
@@ -179,8 +181,8 @@ class InProcessEngineClient(EngineClient):
         return KVCapacity(total_tokens=kv.block_pool.num_blocks * kv.block_size,
                           premium_reserved_tokens=kv.premium_reserved_blocks * kv.block_size)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._llm.tokenize(text)
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self._llm.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self._llm.apply_chat_template(messages)

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 
 from engine.errors import EngineDeadError
 from engine.errors import ValidationError as EngineValidationError
+from gateway.engine_client import EngineNotReady
 from gateway.store.base import Conflict, NotFound
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return ResourceConflict(exc.message, param=exc.param)
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailable("the inference engine is not running", code="engine_unavailable")
+    if isinstance(exc, EngineNotReady):
+        return ServiceUnavailable(f"the model is not ready: {exc}", code="engine_not_ready")
     if isinstance(exc, HTTPException):
         error = {404: ResourceNotFound, 405: InvalidRequest, 401: AuthenticationFailed}.get(exc.status_code, APIError)
         out = error(exc.detail or "error")
@@ -128,6 +131,7 @@ def install_error_handlers(app: Starlette) -> None:
     # and is done. A handler for bare `Exception` runs in
     # ServerErrorMiddleware, which re-raises after answering (so the server
     # logs a traceback): keep that path for real 500s only.
-    for expected in (APIError, EngineValidationError, NotFound, Conflict, EngineDeadError, HTTPException):
+    for expected in (APIError, EngineValidationError, NotFound, Conflict, EngineDeadError, EngineNotReady,
+                     HTTPException):
         app.add_exception_handler(expected, handle)
     app.add_exception_handler(Exception, handle)

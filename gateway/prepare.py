@@ -1,0 +1,127 @@
+"""From an HTTP body to what the engine runs: parse and validate the
+request, render the chat template or tokenize the prompt, check it against
+the context window, and build the SamplingParams.
+
+Everything here raises `InvalidRequest` (or the engine's ValidationError,
+which the one error mapping also turns into a 400) with `param` naming the
+offending field, so bad input never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TypeVar
+
+import jinja2
+import pydantic
+
+from engine.errors import ValidationError
+from engine.sampling_params import SamplingParams
+from gateway.engine_client import EngineClient
+from gateway.errors import InvalidRequest
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+R = TypeVar("R", bound=_SamplingRequest)
+
+# Parts of a pydantic error location that name a union branch, not a field.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def parse_body(raw: bytes, schema: type[R]) -> R:
+    """The validated request, or a 400 naming the first bad field."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    unsupported = schema.unsupported_field(body)
+    if unsupported is not None:
+        raise InvalidRequest(f"'{unsupported}' is not supported by this server", param=unsupported,
+                             code="unsupported_parameter")
+    try:
+        return schema.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: pydantic.ValidationError) -> InvalidRequest:
+    errors = exc.errors(include_url=False)
+    # A value error carries our own explanation; prefer it to a union's type noise.
+    error = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    param = ""
+    for part in error["loc"]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            param += f".{part}" if param else part
+        else:
+            break
+    message = error["msg"].removeprefix("Value error, ")
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param or None)
+
+
+def prepare_chat(req: ChatCompletionRequest, engine: EngineClient) -> Prepared:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    try:
+        prompt_ids = engine.apply_chat_template(messages)
+    except jinja2.TemplateError as exc:  # templates raise on role orders they do not support
+        raise InvalidRequest(f"messages: the model's chat template refused them: {exc}", param="messages") from None
+    return Prepared(prompt_ids, _sampling_params(req, prompt_ids, engine.max_model_len, prompt_param="messages"))
+
+
+def prepare_completion(req: CompletionRequest, engine: EngineClient) -> Prepared:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidRequest("prompt: only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise InvalidRequest("prompt: the prompt is empty", param="prompt")
+    prompt_ids = engine.tokenize(prompt)  # validates token ids against the vocabulary
+    if not prompt_ids:
+        raise InvalidRequest("prompt: the prompt is empty after tokenization", param="prompt")
+    return Prepared(prompt_ids, _sampling_params(req, prompt_ids, engine.max_model_len, prompt_param="prompt"))
+
+
+def _sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+                     max_model_len: int, *, prompt_param: str) -> SamplingParams:
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequest(
+            f"{prompt_param}: the prompt is {len(prompt_ids)} tokens long, which leaves no room to generate "
+            f"in this model's context length of {max_model_len} tokens",
+            param=prompt_param, code="context_length_exceeded")
+    limit, limit_param = req.output_limit()
+    if limit is None:
+        limit = room
+    elif limit > room:
+        raise InvalidRequest(
+            f"{limit_param}: the prompt ({len(prompt_ids)} tokens) plus {limit_param} ({limit}) exceeds "
+            f"this model's context length of {max_model_len} tokens",
+            param=limit_param, code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            max_tokens=limit,
+            min_tokens=req.min_tokens or 0,
+            stop=req.stop,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logprobs=req.engine_logprobs(),
+        )
+    except ValidationError as exc:
+        raise InvalidRequest(f"{exc.param}: {exc.message}", param=exc.param) from None

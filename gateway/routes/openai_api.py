@@ -1,0 +1,165 @@
+"""The OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
+
+Every completion takes the same path:
+  auth -> parse (400) -> model: base or an adapter this tenant may use (404)
+  -> prepare tokens and sampling (400) -> admission (429) -> engine
+  -> one JSON body, or an SSE stream.
+The cache salt comes from the principal, never from the request, so KV is
+shared only inside a tenant.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from adapters.errors import AdapterError
+from engine.outputs import RequestOutput
+from gateway.deps import gateway_of, require_principal
+from gateway.engine_client import EngineRequest
+from gateway.errors import ModelNotFound, ServiceUnavailable
+from gateway.openai_format import ResponseFormat
+from gateway.prepare import Prepared, parse_body, prepare_chat, prepare_completion
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.store.base import NotFound
+from gateway.streaming import SSEResponse, check_output, completion_events
+from gateway.tenancy import Principal
+
+PLATFORM_OWNER = "loragw"
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+    ]
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, ChatCompletionRequest, prepare_chat, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, CompletionRequest, prepare_completion, chat=False)
+
+
+async def list_models(request: Request) -> JSONResponse:
+    principal = await require_principal(request)
+    gw = gateway_of(request)
+    base = gw.served_model_name
+    created = int(gw.wall_clock().timestamp())
+    cards = [ModelCard(id=base, created=created, owned_by=PLATFORM_OWNER, root=base)]
+    registry = gw.registry
+    if registry is not None:
+        tenant = principal.tenant.name
+        grants = {g.name: g for g in await gw.store.list_adapter_grants(visible_to=tenant)}
+        for manifest in registry.list():
+            grant = grants.get(manifest.name)
+            if grant is None:
+                continue
+            owner = tenant if grant.owner == tenant else (PLATFORM_OWNER if grant.owner is None else "shared")
+            cards.append(ModelCard(id=manifest.name, created=_unix(manifest.created_at), owned_by=owner,
+                                   parent=base, root=manifest.ref))
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+
+def _unix(iso: str) -> int:
+    return int(dt.datetime.fromisoformat(iso).timestamp())
+
+
+async def resolve_model(request: Request, principal: Principal, model: str) -> tuple[str, int, str] | None:
+    """None for the base model, else the registry key of an adapter the
+    tenant may use. Everything else is the same 404, so nobody learns
+    whether another tenant's adapter exists."""
+    gw = gateway_of(request)
+    if model == gw.served_model_name:
+        return None
+    not_found = ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.",
+                              param="model")
+    registry = gw.registry
+    if registry is None:
+        raise not_found
+    name = model.partition("@")[0]
+    try:
+        grant = await gw.store.get_adapter_grant(name)
+    except NotFound:
+        raise not_found from None
+    if not (grant.shared or grant.owner == principal.tenant.name):
+        raise not_found
+    try:
+        return registry.resolve(model).key
+    except AdapterError:
+        raise not_found from None
+
+
+class _Lifecycle:
+    """One admitted request's hold on the gateway: counted in `in_flight`
+    (the drain waits for it) and holding its admission ticket, until
+    `close()`, which runs once whether the request finished, failed or its
+    client left."""
+
+    def __init__(self, gw, ticket):
+        self.gw, self.ticket = gw, ticket
+        self.last: RequestOutput | None = None
+        self.closed = False
+        gw.in_flight += 1
+
+    def saw(self, out: RequestOutput) -> None:
+        self.last = out
+        self.ticket.started()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.gw.in_flight -= 1
+        completion_tokens = None if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
+        self.ticket.release(completion_tokens=completion_tokens)
+
+
+async def _complete(request: Request, schema, prepare: Callable[..., Prepared], *, chat: bool) -> Response:
+    gw = gateway_of(request)
+    if gw.draining:
+        raise ServiceUnavailable("the server is shutting down; retry on another replica", code="draining",
+                                 headers={"Retry-After": "1"})
+    principal = await require_principal(request)
+    body = parse_body(await request.body(), schema)
+    adapter_key = await resolve_model(request, principal, body.model)
+    prepared = prepare(body, gw.engine)
+    params = prepared.params
+    ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
+                                max_tokens=params.max_tokens * params.n)
+    lifecycle = _Lifecycle(gw, ticket)
+    handed_to_stream = False
+    try:
+        request_id = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+        engine_request = EngineRequest(
+            request_id=request_id, tenant_id=principal.tenant.id, tier=principal.tenant.tier,
+            prompt_ids=prepared.prompt_ids, params=params, adapter_key=adapter_key,
+            cache_salt=principal.cache_salt)
+        fmt = ResponseFormat(id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model=body.model,
+                             created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode)
+        outputs = gw.engine.generate(engine_request)
+        # Wait for the first output before answering: an engine that refuses
+        # the request then still gets its proper status, not a broken stream.
+        first = await anext(outputs)
+        lifecycle.saw(check_output(first))
+        if body.stream:
+            events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
+                                       on_output=lifecycle.saw)
+            response = SSEResponse(events, on_close=lifecycle.close)
+            handed_to_stream = True
+            return response
+        out = first
+        async for out in outputs:
+            lifecycle.saw(check_output(out))
+        return JSONResponse(fmt.response(out))
+    finally:
+        if not handed_to_stream:
+            lifecycle.close()

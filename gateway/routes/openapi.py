@@ -1,0 +1,163 @@
+"""GET /openapi.json: an OpenAPI 3.1 document for the /v1 and /admin APIs.
+
+The document is generated: `OPERATIONS` lists each operation with its
+request and response schemas (the same pydantic models the routes parse and
+answer with), and their JSON schemas become `components.schemas`. Adding an
+endpoint means adding one `Operation` line here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, create_model
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gateway.schemas import admin as adm
+from gateway.schemas import openai as oai
+
+API_KEY, ADMIN = "apiKey", "adminToken"
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    response: type[BaseModel] | None
+    request: type[BaseModel] | None = None
+    security: str | None = API_KEY
+    status: int = 200
+    errors: tuple[int, ...] = ()
+    stream: type[BaseModel] | None = None  # the chunk model when `stream: true` is allowed
+    multipart_files: tuple[str, ...] = ()  # request is multipart: `request` holds its fields
+
+
+@functools.cache
+def list_of(model: type[BaseModel]) -> type[BaseModel]:
+    """`{"object": "list", "data": [model]}`, as the list endpoints answer."""
+    return create_model(f"{model.__name__}List", object=(Literal["list"], "list"), data=(list[model], ...))
+
+
+_V1_ERRORS = (400, 401, 404, 429, 503)
+_ADMIN_ERRORS = (400, 401, 404)
+
+OPERATIONS = [
+    Operation("get", "/health", "liveness: answers while the process runs", None, security=None),
+    Operation("get", "/ready", "readiness: 200 once the model is loaded, 503 while loading or draining",
+              None, security=None, errors=(503,)),
+    Operation("post", "/v1/chat/completions", "create a chat completion", oai.ChatCompletion,
+              oai.ChatCompletionRequest, errors=_V1_ERRORS, stream=oai.ChatCompletionChunk),
+    Operation("post", "/v1/completions", "create a text completion", oai.Completion,
+              oai.CompletionRequest, errors=_V1_ERRORS, stream=oai.Completion),
+    Operation("get", "/v1/models", "the base model and the adapters this key may use", oai.ModelList,
+              errors=(401, 503)),
+    Operation("get", "/admin/tenants", "list tenants", list_of(adm.TenantOut), security=ADMIN,
+              errors=(401,)),
+    Operation("post", "/admin/tenants", "create a tenant", adm.TenantOut, adm.TenantCreate, security=ADMIN,
+              status=201, errors=(400, 401, 409)),
+    Operation("get", "/admin/tenants/{tenant}", "get a tenant", adm.TenantOut, security=ADMIN,
+              errors=_ADMIN_ERRORS),
+    Operation("patch", "/admin/tenants/{tenant}", "change a tenant's tier or limits", adm.TenantOut,
+              adm.TenantUpdate, security=ADMIN, errors=_ADMIN_ERRORS),
+    Operation("delete", "/admin/tenants/{tenant}", "delete a tenant, its keys and its adapter grants",
+              adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
+    Operation("get", "/admin/tenants/{tenant}/keys", "list a tenant's API keys (never the secrets)",
+              list_of(adm.KeyOut), security=ADMIN, errors=_ADMIN_ERRORS),
+    Operation("post", "/admin/tenants/{tenant}/keys", "issue an API key; the secret is returned once",
+              adm.IssuedKeyOut, adm.KeyCreate, security=ADMIN, status=201, errors=_ADMIN_ERRORS),
+    Operation("delete", "/admin/keys/{key_id}", "revoke an API key", adm.KeyOut, security=ADMIN,
+              errors=_ADMIN_ERRORS),
+    Operation("get", "/admin/adapters", "list adapters with their versions", list_of(adm.AdapterOut),
+              security=ADMIN, errors=(401, 503)),
+    Operation("post", "/admin/adapters", "upload a PEFT LoRA adapter (a new version if the name exists)",
+              adm.AdapterOut, adm.AdapterUpload, security=ADMIN, status=201, errors=(400, 401, 409, 413, 503),
+              multipart_files=("adapter_config.json", "adapter_model.safetensors")),
+    Operation("get", "/admin/adapters/{name}", "get an adapter and its versions", adm.AdapterOut,
+              security=ADMIN, errors=_ADMIN_ERRORS),
+    Operation("delete", "/admin/adapters/{name}", "delete an adapter (NAME) or one version (NAME@VERSION)",
+              adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
+    Operation("get", "/admin/usage", "usage per tenant (`?tenant=` for one)", adm.ListOut, security=ADMIN,
+              errors=_ADMIN_ERRORS),
+]
+
+_ERROR_TEXT = {400: "invalid request", 401: "missing or invalid credentials", 404: "not found",
+               409: "conflict", 413: "payload too large", 429: "rate limited (see Retry-After)",
+               503: "not ready, or draining for shutdown"}
+
+
+def routes() -> list[Route]:
+    return [Route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)]
+
+
+async def openapi_json(request: Request) -> JSONResponse:
+    return JSONResponse(build_document())
+
+
+@functools.cache
+def build_document() -> dict:
+    # Requests are described as they are parsed, responses as they are sent.
+    modes = {oai.ErrorResponse: "serialization"}
+    for op in OPERATIONS:
+        modes.update({m: "serialization" for m in (op.response, op.stream) if m is not None})
+        if op.request is not None:
+            modes[op.request] = "validation"
+    refs, defs = models_json_schema(list(modes.items()), ref_template="#/components/schemas/{model}")
+    ref = {model: schema for (model, _mode), schema in refs.items()}
+    paths: dict[str, dict] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, ref)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "loragw", "version": "1",
+                 "description": "OpenAI-compatible inference (/v1) and administration (/admin) of a "
+                                "multi-tenant LoRA gateway."},
+        "paths": paths,
+        "components": {
+            "schemas": defs.get("$defs", {}),
+            "securitySchemes": {
+                API_KEY: {"type": "http", "scheme": "bearer", "description": "a tenant's API key"},
+                ADMIN: {"type": "http", "scheme": "bearer", "description": "the admin token (--admin-token)"},
+            },
+        },
+    }
+
+
+def _operation(op: Operation, ref: dict) -> dict:
+    out: dict = {"summary": op.summary, "operationId": f"{op.method}_{op.path.strip('/')}".replace("/", "_")
+                 .replace("{", "").replace("}", "")}
+    params = [p.strip("{}") for p in op.path.split("/") if p.startswith("{")]
+    if params:
+        out["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                             for p in params]
+    if op.security is not None:
+        out["security"] = [{op.security: []}]
+    if op.request is not None:
+        out["requestBody"] = {"required": True, "content": _request_content(op, ref)}
+    ok: dict = {"description": "OK" if op.status == 200 else "created"}
+    if op.response is not None:
+        ok["content"] = {"application/json": {"schema": ref[op.response]}}
+    if op.stream is not None:
+        ok.setdefault("content", {})["text/event-stream"] = {
+            "schema": {"type": "string", "description": f"with `stream: true`: `data: <{op.stream.__name__}>` "
+                                                       "events, then `data: [DONE]`"}}
+    responses = {str(op.status): ok}
+    for status in op.errors:
+        responses[str(status)] = {"description": _ERROR_TEXT[status],
+                                  "content": {"application/json": {"schema": ref[oai.ErrorResponse]}}}
+    out["responses"] = responses
+    return out
+
+
+def _request_content(op: Operation, ref: dict) -> dict:
+    if not op.multipart_files:
+        return {"application/json": {"schema": ref[op.request]}}
+    files = {"type": "object", "required": list(op.multipart_files),
+             "properties": {f: {"type": "string", "contentMediaType": "application/octet-stream"}
+                            for f in op.multipart_files}}
+    return {"multipart/form-data": {"schema": {"allOf": [ref[op.request], files]}}}

@@ -1,0 +1,274 @@
+"""Request and response bodies of the OpenAI-compatible API (`/v1`).
+
+Requests are parsed strictly by type (`"n": "2"` or `"n": true` is a 400)
+but leniently by name: fields an OpenAI client may send that we do not use
+(`metadata`, `store`, `parallel_tool_calls`, ...) are ignored. Fields whose
+non-default value would change the answer in a way we cannot honour
+(`tools`, `echo`, `logit_bias`, ...) are refused with a 400 instead of being
+silently dropped. The non-standard `top_k`, `min_tokens` and
+`repetition_penalty` (vLLM's names) are accepted.
+
+Responses are built from these models too, and /openapi.json is generated
+from their JSON schemas.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
+
+MAX_STOP = 4
+_INT64 = 2**63
+
+_REQUEST = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """The fields chat and text completions share."""
+
+    model_config = _REQUEST
+    # Fields we do not implement, with the values that make them no-ops; any
+    # other value is refused (see `unsupported_field`).
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {}), "best_of": (None, 1)}
+
+    model: str = Field(min_length=1, description="the base model's id, or an adapter: NAME or NAME@VERSION")
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context window")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = Field(None, validate_default=True,
+                                         description=f"up to {MAX_STOP} non-empty stop strings")
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = Field(None, max_length=256)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # Not in OpenAI's API; vLLM's names.
+    top_k: int | None = Field(None, ge=-1, description="non-standard; 0 or -1 turns top-k off")
+    min_tokens: int | None = Field(None, ge=0, description="non-standard")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="non-standard")
+
+    @classmethod
+    def unsupported_field(cls, body: dict) -> str | None:
+        """The first field of a raw body that asks for something we cannot do."""
+        return next((name for name, no_ops in cls.UNSUPPORTED.items()
+                     if name in body and body[name] not in no_ops), None)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    model_config = _REQUEST
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.UNSUPPORTED, "tools": (None, []), "functions": (None, []),
+        "tool_choice": (None, "none", "auto"), "audio": (None,), "response_format": (None, {"type": "text"})}
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    def output_limit(self) -> tuple[int | None, str]:
+        """(max tokens to generate or None, the field it came from)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.UNSUPPORTED, "echo": (None, False), "suffix": (None, "")}
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of one string, token ids, or a list of one token-id list")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def output_limit(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+# ---- responses ----------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
+
+
+class _Response(BaseModel):
+    """What every response and chunk starts with; `model` is what the request asked for."""
+
+    id: str
+    created: int
+    model: str
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_Response):
+    """A text completion, and also each streamed chunk of one (OpenAI uses
+    the same object for both; chunks carry `usage: null`)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    parent: str | None = Field(None, description="the base model an adapter applies to")
+    root: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,117 @@
+"""`loragw serve` in process: build the gateway, run it under uvicorn, and
+drain it gracefully on SIGTERM.
+
+The drain: the first SIGTERM (or Ctrl-C) sets `gateway.draining`, so new
+/v1 requests get 503 and /ready turns 503 while the listener stays open (a
+load balancer sees the 503s instead of refused connections). In-flight
+requests, running streams included, go on until `gateway.in_flight` is 0
+or `drain_timeout_s` passes; then uvicorn stops, the engine shuts down and
+the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import signal
+import time
+
+import uvicorn
+
+from gateway.app import Gateway, create_app
+from gateway.config import GatewayConfig
+from gateway.engine_client import InProcessEngineClient
+from gateway.store.base import Store
+from gateway.tenancy import IssuedKey, TenantLimits, Tier
+
+log = logging.getLogger(__name__)
+
+DEMO_TENANT = "demo"
+# Requests still running when the drain timed out get this long before uvicorn cancels them.
+_FORCE_STOP_S = 2.0
+
+
+def build_gateway(config: GatewayConfig) -> Gateway:
+    """The production wiring: SQL store, in-process engine, admission control."""
+    from gateway.admission import AdmissionController
+    from gateway.store.sql import SqlStore
+
+    store = SqlStore.from_url(config.resolved_db_url())
+    engine = InProcessEngineClient(config.engine)
+    admission = AdmissionController({Tier.PREMIUM: config.premium, Tier.STANDARD: config.standard},
+                                    lambda: engine.kv_capacity, enabled=config.enable_tiers,
+                                    clock=time.monotonic)
+    return Gateway(config=config, store=store, engine=engine, admission=admission, clock=time.monotonic)
+
+
+async def ensure_demo_tenant(store: Store, now: dt.datetime) -> IssuedKey | None:
+    """On an empty database, a standard-tier `demo` tenant and its first
+    key, so that a fresh `make serve` can be called at once. None otherwise."""
+    if await store.list_tenants():
+        return None
+    await store.create_tenant(DEMO_TENANT, Tier.STANDARD, TenantLimits())
+    return await store.create_key(DEMO_TENANT, name="demo", now=now)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float):
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Not uvicorn's: it would stop listening at once and re-raise the
+        # signal after shutdown (so the process would not exit 0).
+        if self.gateway.draining or self._loop is None:
+            if sig == signal.SIGINT and self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        log.info("signal %s: draining (up to %.0fs for %d in-flight requests)",
+                 signal.Signals(sig).name, self.drain_timeout_s, self.gateway.in_flight)
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """Start draining; safe from a signal handler or another thread."""
+        self.gateway.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain_task)
+
+    def _start_drain_task(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._wait_for_in_flight())
+
+    async def _wait_for_in_flight(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout_s
+        while self.gateway.in_flight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.gateway.in_flight > 0:
+            log.warning("drain timeout: stopping with %d requests still running", self.gateway.in_flight)
+        else:
+            log.info("drained; stopping")
+        self.should_exit = True
+
+
+def make_server(gateway: Gateway, *, log_level: str = "info") -> DrainingServer:
+    config = gateway.config
+    uv_config = uvicorn.Config(create_app(gateway), host=config.host, port=config.port, log_level=log_level,
+                               lifespan="on", timeout_graceful_shutdown=_FORCE_STOP_S)
+    return DrainingServer(uv_config, gateway, config.drain_timeout_s)
+
+
+async def serve(config: GatewayConfig, *, log_level: str = "info") -> None:
+    """Build the gateway, create the demo tenant on an empty database, and
+    serve until drained. The schema must already be migrated."""
+    gateway = build_gateway(config)
+    issued = await ensure_demo_tenant(gateway.store, gateway.wall_clock())
+    if issued is not None:
+        print(f"created tenant {DEMO_TENANT!r}; its API key (shown once, keep it):\n\n    {issued.secret}\n",
+              flush=True)
+    await make_server(gateway, log_level=log_level).serve()

@@ -1,0 +1,63 @@
+"""A real gateway under uvicorn on 127.0.0.1, in a background thread, for
+tests that drive it over HTTP with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.app import Gateway
+from gateway.server import DrainingServer, make_server
+
+
+@dataclass
+class LiveServer:
+    gateway: Gateway
+    server: DrainingServer
+    thread: threading.Thread
+    url: str  # http://127.0.0.1:PORT
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0) -> LiveServer:
+    """Serve `gateway` on a free port (port 0: the OS picks) and wait until
+    /ready answers 200."""
+    gateway.config.host, gateway.config.port = "127.0.0.1", 0
+    server = make_server(gateway, log_level="warning")
+    thread = threading.Thread(target=server.run, name="live-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + ready_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the live server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    live = LiveServer(gateway, server, thread, f"http://127.0.0.1:{port}")
+    while httpx.get(f"{live.url}/ready").status_code != 200:
+        if time.monotonic() > deadline:
+            live.stop()
+            raise RuntimeError(f"the model did not load: {gateway.engine.load_error}")
+        time.sleep(0.05)
+    return live
+
+
+def run_with_store(db_url: str, work):
+    """`await work(store)` on a store of its own, from synchronous test code
+    (the server's store belongs to the server's event loop)."""
+    from gateway.store.sql import SqlStore
+
+    async def main():
+        store = SqlStore.from_url(db_url)
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
