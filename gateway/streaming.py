@@ -7,15 +7,15 @@ error after the stream began can no longer change the status code, so it
 is sent as a `data: {"error": {...}}` event (which OpenAI clients raise).
 
 `SSEResponse` watches for the client hanging up while it waits on the
-engine, so a dropped connection aborts the engine request at once instead
-of at the next token, and its `on_close` runs exactly once however the
-stream ends.
+engine (`run_until_disconnect`, which non-streamed requests use too), so a
+dropped connection aborts the engine request at once instead of at the
+next token, and its `on_close` runs exactly once however the stream ends.
 """
 
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import Response
@@ -81,26 +81,42 @@ class SSEResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    await send({"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})
-                    async for chunk in self.events:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    tg.cancel_scope.cancel()
-
-                async def watch_disconnect() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                tg.start_soon(watch_disconnect)
-        except* OSError:  # the client went away mid-send
+            await run_until_disconnect(receive, stream)
+        except OSError:  # the client went away mid-send
             pass
         finally:
             await self.events.aclose()
             self.on_close()
+
+
+async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Await `work()` unless the client hangs up first (then `work` is
+    cancelled). True if it completed. Call once the request body was read:
+    from then on `receive` only ever reports the disconnect."""
+    completed = False
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                nonlocal completed
+                await work()
+                completed = True
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            tg.start_soon(watch)
+    except BaseExceptionGroup as group:  # only `work` raises; let its error through as itself
+        raise group.exceptions[0] from None
+    return completed

@@ -27,10 +27,11 @@ from gateway.openai_format import ResponseFormat
 from gateway.prepare import Prepared, parse_body, prepare_chat, prepare_completion
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.store.base import NotFound
-from gateway.streaming import SSEResponse, check_output, completion_events
+from gateway.streaming import SSEResponse, check_output, completion_events, run_until_disconnect
 from gateway.tenancy import Principal
 
 PLATFORM_OWNER = "loragw"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
 def routes() -> list[Route]:
@@ -110,9 +111,10 @@ class _Lifecycle:
         self.closed = False
         gw.in_flight += 1
 
-    def saw(self, out: RequestOutput) -> None:
+    def saw(self, out: RequestOutput) -> RequestOutput:
         self.last = out
         self.ticket.started()
+        return out
 
     def close(self) -> None:
         if self.closed:
@@ -135,16 +137,16 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     params = prepared.params
     ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
                                 max_tokens=params.max_tokens * params.n)
+    request_id = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    engine_request = EngineRequest(
+        request_id=request_id, tenant_id=principal.tenant.id, tier=principal.tenant.tier,
+        prompt_ids=prepared.prompt_ids, params=params, adapter_key=adapter_key, cache_salt=principal.cache_salt)
+    fmt = ResponseFormat(id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model=body.model,
+                         created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode)
     lifecycle = _Lifecycle(gw, ticket)
-    handed_to_stream = False
+    outputs = None
+    streaming = False
     try:
-        request_id = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
-        engine_request = EngineRequest(
-            request_id=request_id, tenant_id=principal.tenant.id, tier=principal.tenant.tier,
-            prompt_ids=prepared.prompt_ids, params=params, adapter_key=adapter_key,
-            cache_salt=principal.cache_salt)
-        fmt = ResponseFormat(id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model=body.model,
-                             created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode)
         outputs = gw.engine.generate(engine_request)
         # Wait for the first output before answering: an engine that refuses
         # the request then still gets its proper status, not a broken stream.
@@ -153,13 +155,20 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
         if body.stream:
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
                                        on_output=lifecycle.saw)
-            response = SSEResponse(events, on_close=lifecycle.close)
-            handed_to_stream = True
-            return response
-        out = first
-        async for out in outputs:
-            lifecycle.saw(check_output(out))
-        return JSONResponse(fmt.response(out))
+            streaming = True  # the response owns the outputs and the lifecycle now
+            return SSEResponse(events, on_close=lifecycle.close)
+        final = first
+
+        async def collect() -> None:
+            nonlocal final
+            async for out in outputs:
+                final = lifecycle.saw(check_output(out))
+
+        if not final.finished and not await run_until_disconnect(request.receive, collect):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is listening
+        return JSONResponse(fmt.response(final))
     finally:
-        if not handed_to_stream:
+        if not streaming:
+            if outputs is not None:
+                await outputs.aclose()  # aborts the engine request if it is still running
             lifecycle.close()

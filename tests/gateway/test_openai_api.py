@@ -339,6 +339,11 @@ def test_client_disconnect_aborts_the_engine_request(live):
     next(iter(stream))
     assert live.gateway.in_flight >= 1
     stream.close()
+    _assert_engine_idle_soon(live)
+
+
+def _assert_engine_idle_soon(live):
+    """Within 5 s, far less than the 1500 tokens asked for would take."""
     deadline = time.monotonic() + 5
     while live.gateway.in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -403,3 +408,11 @@ def test_draining_refuses_new_requests_but_health_answers(live):
         assert httpx.get(f"{live.url}/ready").status_code == 503
     finally:
         live.gateway.draining = False
+
+
+def test_a_client_that_hangs_up_on_a_non_streamed_request_aborts_it(live):
+    body = {"model": live.model, "prompt": PROMPT, "max_tokens": 1500, "min_tokens": 1500}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {live.keys['acme']}"})
+    _assert_engine_idle_soon(live)
