@@ -416,3 +416,37 @@ def test_a_client_that_hangs_up_on_a_non_streamed_request_aborts_it(live):
         httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.5,
                    headers={"Authorization": f"Bearer {live.keys['acme']}"})
     _assert_engine_idle_soon(live)
+
+
+def test_health_answers_fast_while_the_engine_is_saturated(live):
+    body = {"model": live.model, "prompt": PROMPT, "max_tokens": 60, "min_tokens": 60, "stream": True}
+    headers = {"Authorization": f"Bearer {live.keys['acme']}"}
+
+    def drain_stream():
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            for _ in r.iter_lines():
+                pass
+
+    load = [threading.Thread(target=drain_stream) for _ in range(12)]
+    for t in load:
+        t.start()
+    _wait_until(lambda: live.gateway.in_flight >= 8)
+    with httpx.Client(base_url=live.url) as probe:
+        latencies = []
+        for _ in range(20):
+            start = time.perf_counter()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    busy = live.gateway.in_flight
+    for t in load:
+        t.join(timeout=60)
+    assert busy >= 1, "the load finished before the probes did"
+    assert max(latencies) < 0.1, sorted(latencies)[-3:]
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
