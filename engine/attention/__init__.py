@@ -16,19 +16,22 @@ from engine.errors import ValidationError
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "get_attention_backend"]
 
 
-def _torch_backend() -> AttentionBackend:
+def _torch_backend(device: torch.device) -> AttentionBackend:
     from engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    backend = TorchAttentionBackend()
+    if device.type == "cpu":
+        backend.load_decode_kernel()  # build (or load the cached build) before serving, not mid-step
+    return backend
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(device: torch.device) -> AttentionBackend:
     from engine.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()
 
 
-ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+ATTENTION_BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
     "torch": _torch_backend,
     "triton": _triton_backend,
 }
@@ -42,4 +45,4 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if factory is None:
         choices = ", ".join(["auto", *ATTENTION_BACKENDS])
         raise ValidationError("attention_backend", f"unknown backend {name!r}; choose one of {choices}")
-    return factory()
+    return factory(torch.device(device))

@@ -1,8 +1,11 @@
-"""Paged attention in plain torch: the CPU backend, and the reference for the
+"""Paged attention in torch: the CPU backend, and the reference for the
 Triton one.
 
 Per step, `prepare` groups the batch once:
-- decode sequences (query_len 1) are sorted by length and cut into buckets
+- decode sequences (query_len 1) go to the C++ kernel of `cpu_decode`, which
+  reads their blocks in place, when it is available and supports the
+  tensors (CPU, float32 or bfloat16); otherwise, the pure-torch twin: they
+  are sorted by length and cut into buckets
   whose lengths differ by at most `decode_pad_budget` tokens and whose
   padded K/V stays under `decode_bucket_tokens`; each bucket gathers its
   K/V blocks through the block tables and runs one batched
@@ -16,11 +19,13 @@ Per step, `prepare` groups the batch once:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_decode
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -44,7 +49,11 @@ class _PrefillChunk:
 
 @dataclass
 class _StepPlan:
-    decode: list[_DecodeBucket]
+    decode_seqs: list[int]  # batch indices of the decode sequences
+    decode_rows: torch.Tensor  # [n] int64: their token rows in the flat batch
+    decode_seq_ids: torch.Tensor  # [n] int64: decode_seqs as a tensor
+    decode_width: int  # the longest decode seq_len
+    decode_buckets: list[_DecodeBucket] | None  # the torch path's plan, built on first use
     prefill: list[_PrefillChunk]
 
 
@@ -57,11 +66,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, decode_pad_budget: int = 64, decode_bucket_tokens: int = 2048):
+    def __init__(self, decode_pad_budget: int = 64, decode_bucket_tokens: int = 2048,
+                 decode_kernel: bool | None = None):
+        """`decode_kernel`: True requires the C++ decode kernel, False never
+        uses it (the pure-torch twin), None uses it where it builds."""
         self.decode_pad_budget = decode_pad_budget
         self.decode_bucket_tokens = decode_bucket_tokens
+        self.decode_kernel = decode_kernel
         self._plan: _StepPlan | None = None
         self._plan_meta: AttentionMetadata | None = None
+        # (dtype, device, query and cache shapes) -> kernel or None: decided once, not per layer.
+        self._kernels: dict[tuple, object | None] = {}
+
+    def load_decode_kernel(self) -> bool:
+        """Builds the C++ decode kernel now rather than in the first decode
+        step (the engine builder calls this on CPU); whether it is usable."""
+        return self.decode_kernel is not False and self._load_kernel() is not None
+
+    def _load_kernel(self):
+        kernel = cpu_decode.load_kernel()
+        if kernel is None and self.decode_kernel:
+            raise RuntimeError("the CPU decode kernel could not be built (see the log)")
+        return kernel
 
     # ---- per step --------------------------------------------------------
 
@@ -78,9 +104,40 @@ class TorchAttentionBackend(AttentionBackend):
             elif q_len > 1:
                 prefill.append(_plan_prefill(block_tables[i], start, q_len, seq_len, meta.block_size))
             start += q_len
-        decode = self._plan_decode(decode_seqs, starts, meta.seq_lens_host, block_tables, meta.block_size)
-        self._plan = _StepPlan(decode=decode, prefill=prefill)
+        device = meta.block_tables.device
+        self._plan = _StepPlan(
+            decode_seqs=decode_seqs,
+            decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
+            decode_seq_ids=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
+            decode_width=max((meta.seq_lens_host[i] for i in decode_seqs), default=0),
+            decode_buckets=None,
+            prefill=prefill,
+        )
         self._plan_meta = meta
+
+    def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor):
+        """The C++ decode kernel if decode rows of these tensors should use it, else None."""
+        key = (query.dtype, query.device, *query.shape[1:], *k_cache.shape[1:])
+        if key not in self._kernels:
+            self._kernels[key] = self._choose_kernel(query, k_cache)
+        return self._kernels[key]
+
+    def _choose_kernel(self, query: torch.Tensor, k_cache: torch.Tensor):
+        if self.decode_kernel is False:
+            return None
+        if not cpu_decode.supports(query, k_cache):
+            if self.decode_kernel:
+                raise ValueError(f"the CPU decode kernel does not support {query.dtype} on {query.device}")
+            return None
+        return self._load_kernel()
+
+    def _decode_buckets(self, meta: AttentionMetadata) -> list[_DecodeBucket]:
+        plan = self._plan
+        if plan.decode_buckets is None:
+            starts = [0, *itertools.accumulate(meta.query_lens_host)]
+            plan.decode_buckets = self._plan_decode(plan.decode_seqs, starts, meta.seq_lens_host,
+                                                    meta.block_tables.to(torch.int64), meta.block_size)
+        return plan.decode_buckets
 
     def _plan_decode(self, seqs, starts, seq_lens, block_tables, bs) -> list[_DecodeBucket]:
         """Longest first; a bucket takes the next sequence while its padding
@@ -131,8 +188,22 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat.index_copy_(0, meta.slot_mapping, value)
 
         out = torch.empty_like(query)
+        if plan.decode_seqs:
+            kernel = self._kernel_for(query, k_cache)
+            if kernel is not None:
+                cpu_decode.paged_decode_attention(
+                    kernel, out, query, k_cache, v_cache, plan.decode_rows, plan.decode_seq_ids,
+                    meta.block_tables, meta.seq_lens, plan.decode_width, scale)
+            else:
+                self._decode_with_buckets(out, query, k_cache, v_cache, meta, scale)
+        self._prefill(out, query, key, value, k_cache, v_cache, plan.prefill, scale)
+        return out
+
+    def _decode_with_buckets(self, out, query, k_cache, v_cache, meta, scale) -> None:
+        """The torch twin of the decode kernel: gather, then one SDPA per bucket."""
+        _, bs, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
-        for b in plan.decode:
+        for b in self._decode_buckets(meta):
             n = b.rows.shape[0]
             k = k_cache.index_select(0, b.blocks).view(n, b.num_blocks * bs, num_kv_heads, head_dim)
             v = v_cache.index_select(0, b.blocks).view(n, b.num_blocks * bs, num_kv_heads, head_dim)
@@ -140,7 +211,11 @@ class TorchAttentionBackend(AttentionBackend):
             q = query.index_select(0, b.rows).view(n, num_heads, 1, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scale, enable_gqa=True)
             out.index_copy_(0, b.rows, o.view(n, num_heads, head_dim))
-        for c in plan.prefill:
+
+    @staticmethod
+    def _prefill(out, query, key, value, k_cache, v_cache, chunks: list[_PrefillChunk], scale) -> None:
+        _, bs, num_kv_heads, head_dim = k_cache.shape
+        for c in chunks:
             end = c.start + c.query_len
             q = query[c.start : end].transpose(0, 1).unsqueeze(0)
             if c.blocks is None:
@@ -153,7 +228,6 @@ class TorchAttentionBackend(AttentionBackend):
                 v = v_cache.index_select(0, c.blocks).view(1, kv_len, num_kv_heads, head_dim).transpose(1, 2)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scale, enable_gqa=True)
             out[c.start : end] = o[0].transpose(0, 1)
-        return out
 
 
 def _plan_prefill(block_row: torch.Tensor, start: int, q_len: int, seq_len: int, bs: int) -> _PrefillChunk:

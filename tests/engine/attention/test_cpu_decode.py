@@ -1,0 +1,111 @@
+"""The C++ CPU decode kernel and its torch twin (the bucketed SDPA path),
+each against the naive float64 reference, on skewed batches and real shapes."""
+
+import pytest
+import torch
+
+from engine.attention import cpu_decode
+from engine.attention.torch_backend import TorchAttentionBackend
+from tests.engine.attention.test_backends import SCENARIOS, check_backend, make_case
+
+DECODE_HEAVY = ["decode_varied_lengths", "mixed", "skew_1_long_7_short", "skew_7_long_1_short", "long_context"]
+# Decode rows over contexts past several 16-position chunks and blocks.
+LONG_DECODES = [(700, 1), (33, 1), (257, 1), (16, 1), (1, 1), (480, 64)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = cpu_decode.load_kernel()
+    if built is None:
+        pytest.skip("the CPU decode kernel cannot be built here (no C++ compiler, or switched off)")
+    return built
+
+
+def _backend(path: str) -> TorchAttentionBackend:
+    return TorchAttentionBackend(decode_kernel=path == "kernel")
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scenario", DECODE_HEAVY)
+@pytest.mark.parametrize("path", ["kernel", "twin"])
+def test_decode_paths_match_the_reference(kernel, path, scenario, dtype, block_size):
+    case = make_case(SCENARIOS[scenario], block_size=block_size, dtype=dtype, head_dim=32, seed=block_size)
+    check_backend(_backend(path), case)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [(3, 3), (9, 3), (8, 2), (16, 1)], ids=["mha", "smollm", "gqa4", "mqa16"])
+@pytest.mark.parametrize("path", ["kernel", "twin"])
+def test_head_shapes(kernel, path, num_heads, num_kv_heads, head_dim):
+    case = make_case(LONG_DECODES, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=16, seed=head_dim)
+    check_backend(_backend(path), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_and_twin_agree_on_smollm_shapes(kernel, dtype):
+    case = make_case(LONG_DECODES, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, seed=4)
+    outs = []
+    for path in ("kernel", "twin"):
+        backend = _backend(path)
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        outs.append(backend.forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, 0.125))
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=atol, rtol=atol)
+
+
+def test_non_contiguous_query_rows(kernel):
+    """The model hands over query as a view of its fused q/k projection."""
+    case = make_case(SCENARIOS["mixed"], num_heads=6, num_kv_heads=2, head_dim=32, seed=5)
+    fused = torch.cat([case.query, torch.zeros(case.query.shape[0], 2, 32)], dim=1)
+    case.query = fused[:, :6]
+    assert not case.query.is_contiguous()
+    check_backend(_backend("kernel"), case)
+
+
+def test_unsupported_tensors_fall_back_to_the_twin(kernel):
+    fp16 = make_case(SCENARIOS["mixed"], dtype=torch.float16, head_dim=32, seed=1)
+    odd_head_dim = make_case(SCENARIOS["mixed"], head_dim=24, seed=2)
+    for case in (fp16, odd_head_dim):
+        assert not cpu_decode.supports(case.query, case.k_cache)
+        check_backend(TorchAttentionBackend(), case)
+        with pytest.raises(ValueError, match="does not support"):
+            TorchAttentionBackend(decode_kernel=True).forward(
+                case.query, case.key, case.value, case.k_cache.clone(), case.v_cache.clone(), case.meta, 0.2)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    assert cpu_decode.load_kernel() is None
+    check_backend(TorchAttentionBackend(), make_case(SCENARIOS["mixed"], head_dim=32, seed=3))
+
+
+def test_a_failed_build_falls_back_to_the_twin(monkeypatch, caplog):
+    """No compiler or no ninja (a bare CI image): the build raises inside
+    load_inline; the backend logs it once and serves decodes with the twin."""
+    import torch.utils.cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
+    assert cpu_decode._build.__wrapped__() is None
+    assert "unavailable" in caplog.text
+
+    monkeypatch.setattr(cpu_decode, "load_kernel", lambda: None)
+    backend = TorchAttentionBackend()
+    assert backend.load_decode_kernel() is False
+    check_backend(backend, make_case(SCENARIOS["mixed"], num_heads=9, num_kv_heads=3, head_dim=64, seed=6))
+    with pytest.raises(RuntimeError, match="could not be built"):
+        TorchAttentionBackend(decode_kernel=True).load_decode_kernel()
+
+
+def test_the_registry_builds_the_kernel_before_the_first_step(monkeypatch):
+    from engine.attention import get_attention_backend
+
+    calls = []
+    monkeypatch.setattr(cpu_decode, "load_kernel", lambda: calls.append(1))
+    get_attention_backend("torch", torch.device("cpu"))
+    assert calls == [1]
