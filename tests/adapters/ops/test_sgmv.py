@@ -52,6 +52,11 @@ BATCHES = {  # (new tokens, slot) per request in batch order; None = no adapter
     "long_segment": [(70, 1), (2, 0)],  # two row tiles of 64 in one segment
     # Short segments batched into one padded bmm beside long ones done alone.
     "short_and_long": [(1, 0), (3, 1), (40, 2), (1, None), (2, 0), (1, 1), (5, 2), (12, 1), (8, 0)],
+    # One short segment per slot over most of a slot range: the torch twin
+    # reads the stacks in place, slot 2 (only a long segment) a padding group.
+    "dense_slots_with_gap": [(1, None), (2, 0), (1, 1), (20, 2), (3, 3), (1, 4), (2, None)],
+    # Few slots spread wide: the torch twin gathers their stacks instead.
+    "sparse_slots": [(1, 0), (2, 4), (1, None), (1, 7), (3, 9)],
 }
 
 
@@ -145,7 +150,7 @@ def check_expand(
 def test_batch_layouts(backend, batch):
     """Skewed segments, base tokens first/middle/last, merged runs, decode."""
     ops, gen = _ops(backend), torch.Generator().manual_seed(1)
-    stack = make_stack(HIDDEN, HIDDEN, [16, 8, 16], 16, torch.float32, gen)
+    stack = make_stack(HIDDEN, HIDDEN, [16, 8, 16] + [8, 16] * 4, 16, torch.float32, gen)
     check_shrink(ops, stack, batch, torch.float32, gen)
     check_expand(ops, stack, batch, torch.float32, gen, offset=64, extra=32)
 
