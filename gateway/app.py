@@ -36,6 +36,8 @@ class Gateway:
     admission: object  # gateway.admission.AdmissionController
     clock: Callable[[], float] = time.monotonic  # rates, deadlines
     wall_clock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.UTC))
+    # Told of every request's end (billing's ledger, metrics); see lifecycle.py.
+    observers: list = field(default_factory=list)
     draining: bool = False
     in_flight: int = 0  # requests inside an /v1 handler, for the drain
 

@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from adapters.errors import AdapterError
-from engine.outputs import RequestOutput
 from gateway.deps import gateway_of, require_principal
 from gateway.engine_client import EngineRequest
 from gateway.errors import ModelNotFound, ServiceUnavailable
+from gateway.lifecycle import RequestLifecycle
 from gateway.openai_format import ResponseFormat
 from gateway.prepare import Prepared, parse_body, prepare_chat, prepare_completion
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -99,32 +99,6 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
         raise not_found from None
 
 
-class _Lifecycle:
-    """One admitted request's hold on the gateway: counted in `in_flight`
-    (the drain waits for it) and holding its admission ticket, until
-    `close()`, which runs once whether the request finished, failed or its
-    client left."""
-
-    def __init__(self, gw, ticket):
-        self.gw, self.ticket = gw, ticket
-        self.last: RequestOutput | None = None
-        self.closed = False
-        gw.in_flight += 1
-
-    def saw(self, out: RequestOutput) -> RequestOutput:
-        self.last = out
-        self.ticket.started()
-        return out
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.gw.in_flight -= 1
-        completion_tokens = None if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
-        self.ticket.release(completion_tokens=completion_tokens)
-
-
 async def _complete(request: Request, schema, prepare: Callable[..., Prepared], *, chat: bool) -> Response:
     gw = gateway_of(request)
     if gw.draining:
@@ -143,7 +117,8 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
         prompt_ids=prepared.prompt_ids, params=params, adapter_key=adapter_key, cache_salt=principal.cache_salt)
     fmt = ResponseFormat(id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model=body.model,
                          created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode)
-    lifecycle = _Lifecycle(gw, ticket)
+    lifecycle = RequestLifecycle(gw, ticket, principal, request_id=request_id, model=body.model,
+                                 adapter_key=adapter_key, prompt_tokens=len(prepared.prompt_ids))
     outputs = None
     streaming = False
     try:
