@@ -18,6 +18,9 @@ class SchedulerConfig:
     # Premium is admitted first; this turns tier ordering off (every request
     # is treated as standard), which the SLO tests use to starve premium.
     enable_tiers: bool = True
+    # With tiers on, a step that prefills premium work carries no standard
+    # prefill: premium TTFT then costs one short step, not a full one.
+    premium_prefill_alone: bool = True
     # Distinct LoRA adapters that may run in one step (0 disables LoRA), and
     # the steps a request may be passed while it waits for an adapter slot.
     max_loras: int = 4
@@ -76,6 +79,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     premium_reserved_fraction: float = 0.0
     enable_tiers: bool = True
+    premium_prefill_alone: bool = True
     num_threads: int | None = None  # torch intra-op threads on the CPU
     # LoRA: adapters resident in device slots at once (0 turns LoRA off), the
     # rank every slot is padded to, adapters kept loaded on the host, the SGMV
@@ -111,6 +115,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_len,
             enable_tiers=self.enable_tiers,
+            premium_prefill_alone=self.premium_prefill_alone,
             max_loras=self.max_loras,
             max_slot_wait_steps=self.max_slot_wait_steps,
         )

@@ -140,11 +140,15 @@ class Scheduler:
         # they grow in the shared pool and premium can use its reserve.
         self._schedule_running_all([r for r in self.running if r.num_remaining_tokens == 1], plan)
         for tier in self._tier_order():
+            budget_before = plan.budget
             self._schedule_running_all([r for r in self.running if r.num_remaining_tokens > 1
                                         and self._tier(r) is tier], plan)
             # Under memory pressure, admitting more would only preempt again.
             if len(plan.preemptions) == num_admission_preemptions:
                 self._admit_waiting(plan, tier)
+            if (tier is Tier.PREMIUM and plan.budget < budget_before
+                    and self.config.premium_prefill_alone):
+                break  # premium prefill runs without standard prefill beside it
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(

@@ -16,12 +16,14 @@ EOS = 0
 
 def make_scheduler(num_blocks=64, block_size=4, *, budget=64, max_seqs=16, reserved=0,
                    max_model_len=4096, prefix_caching=True, tiers=True, max_loras=4,
-                   max_slot_wait_steps=32, adapter_policy=None) -> Scheduler:
+                   max_slot_wait_steps=32, adapter_policy=None, premium_prefill_alone=False) -> Scheduler:
+    """`premium_prefill_alone` is off by default here so that tests can build
+    mixed-tier states in one step; tests of that rule turn it on."""
     kv = KVCacheManager(num_blocks, block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=prefix_caching)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           max_model_len=max_model_len, enable_tiers=tiers, max_loras=max_loras,
-                          max_slot_wait_steps=max_slot_wait_steps)
+                          max_slot_wait_steps=max_slot_wait_steps, premium_prefill_alone=premium_prefill_alone)
     return Scheduler(cfg, kv, adapter_policy)
 
 

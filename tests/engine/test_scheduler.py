@@ -51,6 +51,19 @@ def test_premium_prefill_goes_before_a_standard_prefill_in_progress():
     assert slices(out) == {"pre": 1, "std": 15}
 
 
+def test_a_step_that_prefills_premium_carries_no_standard_prefill():
+    s = make_scheduler(budget=64, block_size=4, premium_prefill_alone=True)
+    s.add_request(make_request("dec", 4, max_tokens=50))
+    step(s)
+    s.add_request(make_request("std", 40))
+    s.add_request(make_request("pre", 12, tier=Tier.PREMIUM, max_tokens=2))
+    out, _ = step(s)
+    # Decodes still run; the standard prompt waits for the next step.
+    assert slices(out) == {"dec": 1, "pre": 12}
+    out, _ = step(s)
+    assert slices(out) == {"dec": 1, "pre": 1, "std": 40}
+
+
 def test_premium_takes_a_seat_from_the_newest_standard_when_max_num_seqs_is_full():
     s = make_scheduler(budget=64, max_seqs=2)
     s.add_request(make_request("s1", 4, max_tokens=50))
