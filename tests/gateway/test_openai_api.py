@@ -219,6 +219,24 @@ def test_shared_adapter_serves_every_tenant(live):
     assert resp.model == "shared-lora" and resp.usage.completion_tokens == 3
 
 
+def test_deleting_an_adapter_lets_running_requests_finish_and_new_ones_get_404(live, tiny_adapter_dir):
+    live.gateway.registry.import_dir("doomed-lora", tiny_adapter_dir)
+    run_with_store(live.gateway.config.db_url,
+                   lambda store: store.grant_adapter("doomed-lora", owner="acme", shared=False))
+    stream = client(live).completions.create(model="doomed-lora", prompt=PROMPT, max_tokens=60,
+                                             extra_body={"min_tokens": 60}, stream=True,
+                                             stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)  # running on the adapter
+    r = httpx.delete(f"{live.url}/admin/adapters/doomed-lora", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 200, r.text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[0].completion_tokens == 60  # it finished on the version it started with
+    with pytest.raises(openai.NotFoundError):
+        client(live).completions.create(model="doomed-lora", prompt=PROMPT, max_tokens=2)
+    assert "doomed-lora" not in {m.id for m in client(live).models.list()}
+
+
 # ---- typed errors ----
 
 
