@@ -66,7 +66,8 @@ class ModelRunner:
                                     dtype=torch.int64, device=self.device)
                 logits = self.model.compute_logits(hidden[last[rows]])
                 sampled = self.sampler.sample(logits, to_sample, self.eos_token_ids)
-        return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us())
+        loads = self.lora.slots.take_loads() if self.lora else ()
+        return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us(), adapter_loads=loads)
 
     def _copy_blocks(self, copies: list[CopyOp]) -> None:
         src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.device)

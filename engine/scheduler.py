@@ -185,6 +185,7 @@ class Scheduler:
                 busy_time_us=runner.busy_time_us,
                 requests=tuple(usage),
                 preemptions=tuple(sched.preemptions),
+                adapter_loads=runner.adapter_loads,
             ),
         )
 

@@ -87,12 +87,22 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
+@dataclass(frozen=True)
+class AdapterLoad:
+    """One adapter copied into a device slot during a step, and how long it took."""
+
+    adapter_key: Hashable
+    load_us: int
+
+
 @dataclass
 class RunnerOutput:
     # request_id -> samples (one per num_samples) for requests with sample=True.
     sampled: dict[str, list[SampledToken]]
     # Measured busy time of the step on the device, integer microseconds.
     busy_time_us: int
+    # Slot loads inside this step; their time is part of busy_time_us.
+    adapter_loads: tuple[AdapterLoad, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class RequestStepUsage:
     prompt_tokens_cached: int
     recomputed_tokens: int
     decode_tokens: int
+    group_id: str = ""  # the caller's id (the parent's, for forked children)
 
     @property
     def computed_tokens(self) -> int:
@@ -128,6 +139,7 @@ class RequestStepUsage:
             prompt_tokens_cached=item.cached_prompt_tokens,
             recomputed_tokens=recomputed,
             decode_tokens=max(0, end - max(fresh_start, item.prompt_len)),
+            group_id=item.group_id,
         )
 
 
@@ -139,6 +151,7 @@ class StepUsage:
     busy_time_us: int
     requests: tuple[RequestStepUsage, ...]
     preemptions: tuple[Preemption, ...] = ()
+    adapter_loads: tuple[AdapterLoad, ...] = ()  # their time is part of busy_time_us
 
 
 @dataclass

@@ -13,9 +13,22 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from sqlalchemy import MetaData
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 HERE = Path(__file__).resolve().parent
+
+
+def target_metadata() -> MetaData:
+    """Every table the history creates: the gateway's and the billing ledger's."""
+    from billing.models import BillingBase
+    from gateway.store.models import Base
+
+    combined = MetaData()
+    for metadata in (Base.metadata, BillingBase.metadata):
+        for table in metadata.tables.values():
+            table.to_metadata(combined)
+    return combined
 
 
 def alembic_config(db_url: str | None = None) -> Config:

@@ -10,10 +10,10 @@ import asyncio
 
 from alembic import context
 
-from gateway.store.models import Base
+from migrations import target_metadata as _target_metadata
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = _target_metadata()
 
 
 def run_migrations(connection) -> None:

@@ -180,12 +180,24 @@ async def delete_adapter(request: Request, service: AdminService):
 # ---- usage ----
 
 async def usage(request: Request, service: AdminService):
-    """Per-tenant usage. The billing ledger fills `data`; until it exists
-    the list is empty (never made-up zeros). `?tenant=` must name a tenant."""
-    tenant = request.query_params.get("tenant")
+    """Usage from the billing ledger, priced per tier: per-record rows, or
+    per-tenant totals with `group_by=hour|day`, over `[since, until)`
+    (ISO dates or datetimes). `?tenant=` must name a tenant."""
+    from billing.export import parse_time, usage_rows
+    from billing.ledger import Ledger
+
+    q = request.query_params
+    tenant = q.get("tenant")
     if tenant is not None:
         await service.get_tenant(tenant)
-    return []
+    gw = gateway_of(request)
+    try:
+        since, until = parse_time(q.get("since")), parse_time(q.get("until"))
+        rows = await usage_rows(Ledger(gw.store.engine), gw.config.prices, group_by=q.get("group_by") or "none",
+                                since_us=since, until_us=until, tenant=tenant)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return ListOut(data=rows)
 
 
 def routes() -> list[Route]:

@@ -161,14 +161,12 @@ async def test_migrations_match_the_models(db_url):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from gateway.store.models import Base
-
     store = SqlStore.from_url(db_url)
     try:
         assert await migrations.current_revision(store.engine) == migrations.head_revision()
         async with store.engine.connect() as conn:
             diff = await conn.run_sync(lambda c: compare_metadata(
-                MigrationContext.configure(c, opts={"compare_type": True}), Base.metadata))
+                MigrationContext.configure(c, opts={"compare_type": True}), migrations.target_metadata()))
         assert diff == []
         await migrations.upgrade_engine(store.engine)  # at head already: a no-op
     finally:

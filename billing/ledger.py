@@ -1,0 +1,90 @@
+"""The ledger: append-only usage records in SQL, and totals derived from them.
+
+`append` is idempotent: a record whose `request_id` is already there is
+skipped (INSERT ... ON CONFLICT DO NOTHING on SQLite and PostgreSQL alike),
+so replaying the spool never double-counts. Totals per tenant per hour or
+day are GROUP BY queries over the records; no counter is kept anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import case, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.models import UsageRecordRow
+from billing.records import REQUEST, UsageRecord
+
+PERIOD_US = {"hour": 3_600_000_000, "day": 86_400_000_000}
+_COLUMNS = [c.name for c in UsageRecordRow.__table__.columns]
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    """One tenant's usage over one period (at one tier)."""
+
+    tenant: str
+    tier: str
+    period_start_us: int
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    gpu_us: int
+    recompute_us: int
+    adapter_load_us: int
+
+    @property
+    def charged_us(self) -> int:
+        return self.gpu_us + self.recompute_us + self.adapter_load_us
+
+
+class Ledger:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    async def append(self, records: list[UsageRecord]) -> None:
+        """Insert the records in one transaction; ids already present are skipped."""
+        if not records:
+            return
+        insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+        stmt = insert(UsageRecordRow).on_conflict_do_nothing(index_elements=["request_id"])
+        async with self.engine.begin() as conn:
+            await conn.execute(stmt, [r.to_dict() for r in records])
+
+    async def records(self, *, since_us: int | None = None, until_us: int | None = None,
+                      tenant: str | None = None) -> list[UsageRecord]:
+        """Records that ended in [since, until), oldest first."""
+        stmt = _where(select(UsageRecordRow.__table__), since_us, until_us, tenant)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(stmt.order_by(UsageRecordRow.ended_at_us, UsageRecordRow.request_id))).all()
+        return [UsageRecord(**dict(zip(_COLUMNS, row))) for row in rows]
+
+    async def totals(self, *, group_by: str = "day", since_us: int | None = None, until_us: int | None = None,
+                     tenant: str | None = None) -> list[UsageTotals]:
+        """Per tenant, tier and hour or day (UTC), from the records."""
+        t = UsageRecordRow
+        period = (t.ended_at_us // PERIOD_US[group_by]) * PERIOD_US[group_by]
+        stmt = select(
+            t.tenant, t.tier, period.label("period"),
+            func.sum(case((t.kind == REQUEST, 1), else_=0)),
+            func.sum(t.prompt_tokens), func.sum(t.cached_prompt_tokens), func.sum(t.completion_tokens),
+            func.sum(t.gpu_us), func.sum(t.recompute_us), func.sum(t.adapter_load_us),
+        ).group_by(t.tenant, t.tier, period).order_by(period, t.tenant, t.tier)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(_where(stmt, since_us, until_us, tenant))).all()
+        return [UsageTotals(tenant, tier, int(start), *(int(v or 0) for v in sums))
+                for tenant, tier, start, *sums in rows]
+
+
+def _where(stmt, since_us, until_us, tenant):
+    t = UsageRecordRow
+    if since_us is not None:
+        stmt = stmt.where(t.ended_at_us >= since_us)
+    if until_us is not None:
+        stmt = stmt.where(t.ended_at_us < until_us)
+    if tenant is not None:
+        stmt = stmt.where(t.tenant == tenant)
+    return stmt

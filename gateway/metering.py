@@ -1,0 +1,162 @@
+"""Billing's place in the gateway: the meter learns each request's tenant at
+admission, and every ended request becomes ledger records via the spool.
+
+`UsageObserver` is a `RequestObserver`. A request that finished (stop,
+length) is settled at once: its last step's usage reached the meter before
+its last output reached us. One that was aborted, errored or whose client
+left may still be inside the engine's running step, so it is settled after
+the next step completes (or after `settle_timeout_s` with no step: the
+engine is idle), and that step is billed to it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from billing.meter import PLATFORM_OVERHEAD, Account, Meter, MeteredUsage
+from billing.records import ADAPTER_LOAD, OVERHEAD, RECOMPUTE, REQUEST, UsageRecord, seconds_to_us, to_us
+from billing.spool import Spool, SpoolFlusher
+from gateway.lifecycle import RequestObserver, RequestRecord
+from gateway.store.base import NotFound
+
+log = logging.getLogger(__name__)
+
+_SETTLED_AT_ONCE = ("stop", "length")
+
+
+class UsageObserver(RequestObserver):
+    def __init__(self, gw, meter: Meter, spool: Spool, flusher: SpoolFlusher, *, settle_timeout_s: float = 1.0,
+                 poll_s: float = 0.01):
+        self.gw, self.meter, self.spool, self.flusher = gw, meter, spool, flusher
+        self.settle_timeout_s, self.poll_s = settle_timeout_s, poll_s
+        self._waiting: dict[str, RequestRecord] = {}  # ended, waiting for the engine's running step
+
+    # ---- RequestObserver ----------------------------------------------------------
+
+    def on_request_start(self, request_id: str, principal, adapter_key) -> None:
+        tenant = principal.tenant
+        self.meter.register(request_id, Account(tenant.id, tenant.name, principal.key_id, tenant.tier.value))
+
+    def on_request_end(self, record: RequestRecord) -> None:
+        if record.finish_reason in _SETTLED_AT_ONCE:
+            self._settle(record)
+            return
+        self._waiting[record.request_id] = record
+        loop = asyncio.get_running_loop()
+        mark, deadline = self.meter.steps_seen, loop.time() + self.settle_timeout_s
+
+        def check() -> None:
+            if record.request_id not in self._waiting:
+                return  # settled by stop()
+            if self.meter.steps_seen > mark or loop.time() >= deadline:
+                self._settle(self._waiting.pop(record.request_id))
+            else:
+                loop.call_later(self.poll_s, check)
+
+        loop.call_later(self.poll_s, check)
+
+    # ---- lifespan -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.flusher.start()
+
+    async def stop(self) -> None:
+        for request_id in list(self._waiting):
+            self._settle(self._waiting.pop(request_id))
+        self._spool(self._platform_records())
+        await self.flusher.stop()
+        self.spool.close()
+
+    # ---- records ----------------------------------------------------------------------
+
+    def _settle(self, record: RequestRecord) -> None:
+        usage = self.meter.settle(record.request_id) or MeteredUsage(record.request_id, 0, 0, 0, ())
+        records = [_request_record(record, usage)] + [
+            UsageRecord(request_id=f"{record.request_id}/recompute/{c.payer_request_id or 'platform'}",
+                        kind=RECOMPUTE, tenant_id=c.payer.tenant_id, tenant=c.payer.tenant, key_id=c.payer.key_id,
+                        tier=c.payer.tier, ended_at_us=to_us(record.ended_at), recompute_us=c.recompute_us,
+                        caused_by=c.payer_request_id)
+            for c in usage.recompute_charges]
+        self._spool(records + self._platform_records())
+        self._count(records)
+
+    def _platform_records(self) -> list[UsageRecord]:
+        """Overhead accrued and adapter loads made since the last call."""
+        now = to_us(self.gw.wall_clock())
+        out = [UsageRecord(request_id=f"adapter-load/{load.load_id}", kind=ADAPTER_LOAD, tenant_id="", tenant="",
+                           tier="", ended_at_us=now, adapter=load.adapter_key[0], adapter_version=load.adapter_key[1],
+                           adapter_load_us=load.load_us)
+               for load in self.meter.take_adapter_loads()]
+        overhead_us = self.meter.take_overhead_us()
+        if overhead_us:
+            o = PLATFORM_OVERHEAD
+            out.append(UsageRecord(request_id=f"overhead/{uuid.uuid4().hex}", kind=OVERHEAD, tenant_id=o.tenant_id,
+                                   tenant=o.tenant, tier=o.tier, ended_at_us=now, gpu_us=overhead_us))
+        return out
+
+    def _spool(self, records: list[UsageRecord]) -> None:
+        if records:
+            self.spool.append(records)
+            self.flusher.wake()
+
+    def _count(self, records: list[UsageRecord]) -> None:
+        count_usage = getattr(getattr(self.gw, "metrics", None), "count_usage", None)
+        if count_usage is None:
+            return
+        for r in records:
+            count_usage(tenant=r.tenant, gpu_us=r.charged_us, prompt_tokens=r.prompt_tokens,
+                                completion_tokens=r.completion_tokens)
+
+
+def _request_record(record: RequestRecord, usage: MeteredUsage) -> UsageRecord:
+    return UsageRecord(
+        request_id=record.request_id, kind=REQUEST, tenant_id=record.tenant_id, tenant=record.tenant,
+        key_id=record.key_id, tier=record.tier.value, adapter=record.adapter, adapter_version=record.adapter_version,
+        prompt_tokens=record.prompt_tokens, cached_prompt_tokens=record.cached_prompt_tokens,
+        completion_tokens=record.completion_tokens, gpu_us=usage.gpu_us,
+        queue_us=seconds_to_us(record.queue_time_s), ttft_us=seconds_to_us(record.ttft_s),
+        e2e_us=seconds_to_us(record.e2e_s), finish_reason=record.finish_reason,
+        started_at_us=to_us(record.started_at), ended_at_us=to_us(record.ended_at))
+
+
+def adapter_owner_resolver(store):
+    """For the flusher: adapter-load records get their owner tenant from the
+    adapter's grant (a platform adapter, or a deleted one, is overhead)."""
+
+    async def resolve(records: list[UsageRecord]) -> list[UsageRecord]:
+        out = []
+        for r in records:
+            if r.kind == ADAPTER_LOAD and not r.tenant_id:
+                owner = await _owner(store, r.adapter)
+                r = UsageRecord.from_dict({**r.to_dict(), "tenant_id": owner.tenant_id, "tenant": owner.tenant,
+                                           "tier": owner.tier})
+            out.append(r)
+        return out
+
+    return resolve
+
+
+async def _owner(store, adapter: str) -> Account:
+    try:
+        grant = await store.get_adapter_grant(adapter)
+        if grant.owner is None:
+            return PLATFORM_OVERHEAD
+        tenant = await store.get_tenant(grant.owner)
+    except NotFound:
+        return PLATFORM_OVERHEAD
+    return Account(tenant.id, tenant.name, None, tenant.tier.value)
+
+
+def build_usage_observer(gw, *, spool_path, ledger, settle_timeout_s: float = 1.0) -> UsageObserver:
+    """The meter on the engine's usage sink, the spool, its flusher, and the
+    observer on the gateway (also started and stopped with the app)."""
+    meter = Meter()
+    gw.engine.add_usage_sink(meter.on_step)
+    spool = Spool(spool_path)
+    flusher = SpoolFlusher(spool, ledger, resolve=adapter_owner_resolver(gw.store))
+    observer = UsageObserver(gw, meter, spool, flusher, settle_timeout_s=settle_timeout_s)
+    gw.observers.append(observer)
+    gw.background.append(observer)
+    return observer

@@ -1,0 +1,65 @@
+"""A live gateway with billing for the billing tests, and ledger reads."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+
+import migrations
+from billing.ledger import Ledger
+from billing.records import UsageRecord
+from engine.config import EngineConfig
+from gateway.config import GatewayConfig, TierLimits
+from gateway.server import build_gateway
+from gateway.tenancy import TenantLimits, Tier
+from tests.gateway.live import run_with_store, start_live_server
+
+
+def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], grants=(), adapter_dir=None,
+                         db_url: str | None = None, **engine_kwargs):
+    """Tenants (one key each), adapter grants (name, owner, shared) imported
+    from `adapter_dir`, and a live server whose step busy times are also
+    collected in `server.steps` (the ground truth)."""
+    db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
+    migrations.upgrade(db_url)
+    now = dt.datetime.now(dt.UTC)
+
+    async def seed(store):
+        keys = {}
+        for name, tier in tenants.items():
+            await store.create_tenant(name, tier, TenantLimits())
+            keys[name] = (await store.create_key(name, now=now)).secret
+        for name, owner, shared in grants:
+            await store.grant_adapter(name, owner=owner, shared=shared)
+        return keys
+
+    keys = run_with_store(db_url, seed)
+    engine = EngineConfig(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
+    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
+                                     standard=TierLimits(max_waiting=64), premium=TierLimits(max_waiting=64)))
+    steps = []
+    gw.engine.add_usage_sink(steps.append)
+    server = start_live_server(gw)
+    for name, _owner, _shared in grants:
+        gw.registry.import_dir(name, adapter_dir)
+    server.keys, server.model, server.steps, server.db_url = keys, gw.served_model_name, steps, db_url
+    return server
+
+
+def ledger_records(db_url: str) -> list[UsageRecord]:
+    from gateway.store.sql import create_engine
+
+    async def read():
+        engine = create_engine(db_url)
+        try:
+            return await Ledger(engine).records()
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+def request_id_of(response_json: dict) -> str:
+    """The engine request id behind a completion (`cmpl-<id>` / `chatcmpl-<id>`)."""
+    return response_json["id"].split("-", 1)[1]

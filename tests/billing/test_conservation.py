@@ -1,0 +1,111 @@
+"""Metering through a live gateway and the engine: the GPU time charged to
+requests, recompute, adapter loads and overhead adds up to the engine's
+step busy time exactly, and every request has exactly one record."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+
+from billing.records import RECOMPUTE, REQUEST
+from engine.request import Tier
+from tests.billing.live_helpers import ledger_records, request_id_of, start_billing_server
+
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(16)]
+
+
+async def _complete(client, key, model, prompt, tokens):
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens, "temperature": 0.0}
+    r = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def _abandon(client, key, model, prompt):
+    """A stream the client leaves after its first chunk: a client_disconnect."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 300, "min_tokens": 300, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        async for _line in r.aiter_lines():
+            break
+    return r.headers["x-request-id"]
+
+
+def test_mixed_workload_conserves_busy_time(tiny_llama_dir, tiny_adapter_dir, tmp_path):
+    server = start_billing_server(
+        tmp_path, tiny_llama_dir, tenants={"gold": Tier.PREMIUM, "silver": Tier.STANDARD},
+        grants=[("gold-lora", "gold", False), ("silver-lora", "silver", False), ("shared-lora", None, True)],
+        adapter_dir=tiny_adapter_dir, max_num_seqs=6, num_kv_blocks=24, premium_reserved_fraction=0.2,
+        max_loras=2)
+    keys, model = server.keys, server.model
+
+    async def workload():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            jobs = []
+            for i in range(12):
+                tenant = "gold" if i % 2 == 0 else "silver"
+                adapter = [model, f"{tenant}-lora", "shared-lora"][i % 3]
+                jobs.append(_complete(client, keys[tenant], adapter, PROMPTS[i], 40 + i))
+            jobs += [_abandon(client, keys["silver"], model, PROMPTS[13 + i]) for i in range(3)]
+            results = await asyncio.gather(*jobs)
+            # Prefix hits: the same prompt again, one at a time.
+            for _ in range(2):
+                results.append(await _complete(client, keys["gold"], model, PROMPTS[0], 4))
+            return results
+
+    try:
+        results = asyncio.run(workload())
+    finally:
+        server.stop()  # settles, and flushes the spool to the ledger
+    records = ledger_records(server.db_url)
+    busy = sum(step.busy_time_us for step in server.steps)
+    assert any(step.preemptions for step in server.steps), "the workload must preempt"
+    assert busy > 0
+    assert sum(r.charged_us for r in records) == busy  # exact, not just within 1%
+
+    requests = [r for r in records if r.kind == REQUEST]
+    assert len(requests) == len(results) == len({r.request_id for r in requests})
+    finished = {request_id_of(r): r for r in results if isinstance(r, dict)}
+    by_id = {r.request_id: r for r in requests}
+    for request_id, body in finished.items():
+        row = by_id[request_id]
+        assert (row.prompt_tokens, row.completion_tokens) == (body["usage"]["prompt_tokens"],
+                                                             body["usage"]["completion_tokens"])
+        assert row.gpu_us > 0 and row.finish_reason == "length"
+    reasons = Counter(r.finish_reason for r in requests)
+    assert reasons["client_disconnect"] == 3
+    assert max(r.cached_prompt_tokens for r in requests) >= 32  # the repeated prompt hit the prefix cache
+    assert any(r.kind == "adapter_load" and r.tenant == "gold" for r in records)
+    assert all(r.recompute_us == 0 for r in requests)
+    assert any(r.kind == RECOMPUTE for r in records)
+
+
+def test_premium_pays_for_the_recompute_it_causes(tiny_llama_dir, tmp_path):
+    # One seat: premium arriving while standard runs takes its seat and
+    # preempts it (the premium seat rule).
+    server = start_billing_server(tmp_path, tiny_llama_dir, tenants={"gold": Tier.PREMIUM, "silver": Tier.STANDARD},
+                                  max_num_seqs=1, num_kv_blocks=256, premium_reserved_fraction=0.2)
+    keys, model = server.keys, server.model
+
+    async def workload():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            standard = asyncio.create_task(_complete(client, keys["silver"], model, PROMPTS[1], 200))
+            while not any(step.requests for step in server.steps):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            premium = await _complete(client, keys["gold"], model, PROMPTS[2], 4)
+            return await standard, premium
+
+    try:
+        standard, premium = asyncio.run(workload())
+    finally:
+        server.stop()
+    records = {r.request_id: r for r in ledger_records(server.db_url)}
+    victim, payer = request_id_of(standard), request_id_of(premium)
+    assert any(p.victim_id == victim and p.caused_by == payer for s in server.steps for p in s.preemptions)
+    assert records[victim].recompute_us == 0
+    charge = records[f"{victim}/recompute/{payer}"]
+    assert (charge.kind, charge.tenant, charge.tier, charge.caused_by) == (RECOMPUTE, "gold", "premium", payer)
+    assert charge.recompute_us > 0
+    assert sum(r.charged_us for r in records.values()) == sum(s.busy_time_us for s in server.steps)
