@@ -16,7 +16,8 @@ padding, and modules an adapter does not target, contribute exactly zero.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
@@ -24,6 +25,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from engine.errors import EngineError
+from engine.step_io import AdapterLoad
 
 # Our packed projections and the HF (peft) modules behind their slices.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -83,7 +85,11 @@ class LoraSlotManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self.num_loads = 0  # host -> device slot loads
+        self._step_loads: list[AdapterLoad] = []  # slot loads since the last take_loads()
         self.num_evictions = 0
+        # Seconds each recent slot load took (host -> device copy), oldest
+        # first; with `num_loads`, metrics can tell which ones are new.
+        self.recent_load_seconds: deque[float] = deque(maxlen=1024)
 
     # ---- host side (any thread) ----------------------------------------------
 
@@ -150,6 +156,11 @@ class LoraSlotManager:
                 self._load_into_slot(key, self._take_slot(set(keys)))
         return {key: self._slots[key] for key in keys}
 
+    def take_loads(self) -> tuple[AdapterLoad, ...]:
+        """The slot loads since the last call (the runner reports them per step)."""
+        loads, self._step_loads = tuple(self._step_loads), []
+        return loads
+
     def slot_of(self, key: Hashable) -> int | None:
         return self._slots.get(key)
 
@@ -172,6 +183,7 @@ class LoraSlotManager:
         if weights is None:
             self._free_slots.append(slot)
             raise AdapterLoadError(f"adapter {key!r} is not loaded on the host")
+        t0 = time.perf_counter()
         R = self.rank
         for (layer, _name), stack in self.stacks.items():
             stack.lora_a[slot].zero_()
@@ -185,7 +197,9 @@ class LoraSlotManager:
                 stack.lora_a[slot, i * R : i * R + r].copy_(a)
                 stack.lora_b[i][slot, :, :r].copy_(b)
         self._slots[key] = slot
+        self.recent_load_seconds.append(time.perf_counter() - t0)
         self.num_loads += 1
+        self._step_loads.append(AdapterLoad(key, round(self.recent_load_seconds[-1] * 1_000_000)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ import datetime as dt
 import logging
 from dataclasses import dataclass
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput
 from gateway.tenancy import Principal, Tier
 
 log = logging.getLogger(__name__)
@@ -39,12 +39,19 @@ class RequestRecord:
     queue_time_s: float | None  # engine: arrival -> first scheduled
     ttft_s: float | None  # engine: arrival -> first token
     e2e_s: float  # gateway: admitted -> ended
+    # The engine's timestamps (its own clock: only differences mean anything),
+    # for time per output token and the trace's queue/prefill/decode spans.
+    engine_metrics: RequestMetrics | None = None
 
 
 class RequestObserver(abc.ABC):
     """Called on the event loop when a request ends. Must not block: queue
     slow work (a database write) rather than doing it here. An exception is
     logged and does not affect the request or the other observers."""
+
+    def on_request_start(self, request_id: str, principal: Principal,
+                         adapter_key: tuple[str, int, str] | None) -> None:
+        """Called once admission let the request in, before it reaches the engine."""
 
     @abc.abstractmethod
     def on_request_end(self, record: RequestRecord) -> None: ...
@@ -61,6 +68,8 @@ class RequestLifecycle:
         self._started_at = gw.wall_clock()
         self._t0 = gw.clock()
         gw.in_flight += 1
+        for observer in gw.observers:
+            observer.on_request_start(request_id, principal, adapter_key)
 
     def saw(self, out: RequestOutput) -> RequestOutput:
         self.last = out
@@ -104,4 +113,4 @@ class RequestLifecycle:
             completion_tokens=completion_tokens, finish_reason=self._finish_reason(),
             started_at=self._started_at, ended_at=self.gw.wall_clock(),
             queue_time_s=metrics.queue_time if metrics else None, ttft_s=metrics.ttft if metrics else None,
-            e2e_s=self.gw.clock() - self._t0)
+            e2e_s=self.gw.clock() - self._t0, engine_metrics=metrics)
