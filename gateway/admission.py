@@ -137,7 +137,11 @@ class AdmissionController:
         if self.enabled:
             self._check_tier(tenant.tier, tier, prompt_tokens, now)
         state = self._tenant_state(principal, now)
-        self._check_tenant(tenant.name, tenant.limits, state, prompt_tokens + max_tokens, now)
+        try:
+            self._check_tenant(tenant.name, tenant.limits, state, prompt_tokens + max_tokens, now)
+        except RateLimited as exc:
+            tier.rejected[exc.limit] += 1  # counted by the tenant's tier, for metrics
+            raise
 
         state.active += 1
         if state.requests is not None:
@@ -215,6 +219,9 @@ class AdmissionController:
                 state.tokens.give_back(unused, self._clock())
 
     def snapshot(self) -> dict[str, dict]:
-        """Per-tier queue state and rejection counts, for metrics."""
+        """Per-tier queue state and rejection counts, for metrics. Rejection
+        reasons: max_waiting and max_queued_tokens (the tier's limits), and
+        max_concurrent, requests_per_minute and tokens_per_minute (a tenant's
+        limits, counted under the tenant's tier)."""
         return {tier.value: {"waiting": s.waiting, "queued_tokens": s.queued_tokens,
                              "rejected": dict(s.rejected)} for tier, s in self._tiers.items()}

@@ -38,8 +38,15 @@ class Gateway:
     wall_clock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.UTC))
     # Told of every request's end (billing's ledger, metrics); see lifecycle.py.
     observers: list = field(default_factory=list)
+    # Started after the engine and stopped after it, with the app: objects
+    # with `async start()` and `async stop()` (billing's spool flusher).
+    background: list = field(default_factory=list)
     draining: bool = False
     in_flight: int = 0  # requests inside an /v1 handler, for the drain
+    # Observability (docs/observability.md), each None when off:
+    metrics: object | None = None  # gateway.metrics.GatewayMetrics, served at /metrics
+    tracing: object | None = None  # gateway.tracing.Tracing
+    slo: object | None = None  # gateway.slo.SloMonitor
 
     @property
     def served_model_name(self) -> str:
@@ -82,20 +89,34 @@ class RequestIdMiddleware:
 
 
 def create_app(gateway: Gateway) -> Starlette:
-    from gateway.routes import admin, health, openai_api, openapi
+    from gateway.routes import admin, health, observability, openai_api, openapi
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await gateway.engine.start()
+        if gateway.slo is not None:
+            await gateway.slo.start()
+        for part in gateway.background:
+            await part.start()
         try:
             yield
         finally:
+            if gateway.slo is not None:
+                await gateway.slo.stop()
             await gateway.engine.shutdown()
+            for part in reversed(gateway.background):
+                await part.stop()
             await gateway.store.close()
+            if gateway.tracing is not None:
+                gateway.tracing.shutdown()
 
-    routes = health.routes() + openai_api.routes() + admin.routes() + openapi.routes()
+    routes = health.routes() + openai_api.routes() + admin.routes() + openapi.routes() + observability.routes()
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
+    if gateway.tracing is not None:
+        from gateway.tracing import TraceMiddleware
+
+        app.add_middleware(TraceMiddleware, tracing=gateway.tracing)
     app.add_middleware(RequestIdMiddleware)
     return app

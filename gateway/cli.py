@@ -11,7 +11,7 @@ import functools
 import os
 import sys
 
-from gateway import cli_admin
+from gateway import cli_admin, cli_usage
 
 
 def _env_flag(p: argparse.ArgumentParser, flag: str, *, default=None, help: str = "", **kwargs) -> None:
@@ -49,6 +49,32 @@ def _add_serve_parser(sub) -> None:
     f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
     f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_observability_flags(f)
+    cli_usage.add_price_flag(serve)
+
+
+def _add_observability_flags(f) -> None:
+    f("--metrics-adapter-labels", type=int, default=16, help="adapters with their own metrics series; more: 'other'")
+    f("--metrics-tenant-labels", type=int, default=32, help="tenants with their own metrics series; more: 'other'")
+    f("--slo-ttft", type=float, default=0.5, help="TTFT SLO in seconds (p99 of premium)")
+    f("--slo-ttft-alert", type=float, default=0.4, help="page when premium's TTFT p99 passes this (seconds)")
+    f("--slo-fast-window", type=float, default=300.0, help="SLO burn-rate fast window, seconds")
+    f("--slo-slow-window", type=float, default=3600.0, help="SLO burn-rate slow window, seconds")
+    f("--slo-burn-rate", type=float, default=1.0, help="page when both windows burn the budget this fast")
+    f("--slo-min-samples", type=int, default=20, help="requests in the fast window before it can page")
+    f("--slo-min-hold", type=float, default=60.0, help="seconds an alert stays firing/resolved at least")
+    f("--alert-webhook-url", default="", help="Alertmanager-style webhook receivers, comma-separated")
+
+
+def _slo_config(args: argparse.Namespace):
+    from gateway.slo import SloConfig
+
+    urls = tuple(u.strip() for u in args.alert_webhook_url.split(",") if u.strip())
+    return SloConfig(ttft_slo_s=args.slo_ttft, ttft_alert_s=args.slo_ttft_alert,
+                     fast_window_s=args.slo_fast_window, slow_window_s=args.slo_slow_window,
+                     burn_rate=args.slo_burn_rate, min_samples=args.slo_min_samples,
+                     min_hold_s=args.slo_min_hold, webhook_urls=urls,
+                     external_url=f"http://{args.host}:{args.port}")
 
 
 def _serve_config(args: argparse.Namespace):
@@ -65,7 +91,9 @@ def _serve_config(args: argparse.Namespace):
         host=args.host, port=args.port, db_url=args.db, admin_token=args.admin_token or None, engine=engine,
         served_model_name=args.served_model_name, enable_tiers=tiers,
         premium=TierLimits(max_waiting=args.premium_max_waiting),
-        standard=TierLimits(max_waiting=args.standard_max_waiting), drain_timeout_s=args.drain_timeout)
+        standard=TierLimits(max_waiting=args.standard_max_waiting), drain_timeout_s=args.drain_timeout,
+        metrics_adapter_labels=args.metrics_adapter_labels, metrics_tenant_labels=args.metrics_tenant_labels,
+        slo=_slo_config(args), prices=cli_usage.price_book(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
     cli_admin.add_parsers(sub)
+    cli_usage.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command in cli_admin.COMMANDS:
         return cli_admin.run(args)
+    if args.command == "usage":
+        return cli_usage.run(args)
     return 2
 
 

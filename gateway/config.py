@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from billing.pricing import PriceBook
 from engine.config import EngineConfig
+from gateway.slo import SloConfig
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     max_upload_bytes: int = 256 * 1024 * 1024
     data_dir: Path | None = None  # None: $LORAGW_DATA_DIR or the user data dir
+    prices: PriceBook = field(default_factory=PriceBook)  # per tier, applied to usage exports
+    # Metrics label bounds: the first N adapters / tenants seen get a series
+    # of their own, the rest share "other" (docs/observability.md).
+    metrics_adapter_labels: int = 16
+    metrics_tenant_labels: int = 32
+    slo: SloConfig = field(default_factory=SloConfig)
 
     def resolved_data_dir(self) -> Path:
         from adapters.registry import default_data_dir

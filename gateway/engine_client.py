@@ -24,6 +24,8 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+_STATS_RETRIES = 5
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -48,6 +50,36 @@ class KVCapacity:
     def usable_tokens(self, tier: Tier) -> int:
         reserved = self.premium_reserved_tokens if tier is Tier.STANDARD else 0
         return self.total_tokens - reserved
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time snapshot of the engine for metrics: plain values,
+    counters cumulative since the engine started. Dicts are keyed by tier."""
+
+    num_running: dict[Tier, int]
+    num_waiting: dict[Tier, int]
+    num_preemptions: dict[Tier, int]  # cumulative, by the victim's tier
+    kv_num_blocks: int
+    kv_used_blocks: int
+    kv_free_blocks: int  # cached (evictable) blocks included
+    kv_premium_reserved_blocks: int
+    kv_used_by_tier: dict[Tier, int]  # distinct blocks held by the tier's requests
+    prefix_cache_queries: int  # tokens looked up, cumulative
+    prefix_cache_hits: int  # tokens found, cumulative
+    resident_adapters: tuple[tuple[str, int], ...] = ()  # (name, version) in a device slot now
+    adapter_loads: int = 0  # host -> device slot loads, cumulative
+    adapter_evictions: int = 0
+    # Seconds of the most recent slot loads, oldest first (at most the last
+    # 1024); the last `min(len, adapter_loads - seen)` are new to a reader.
+    recent_adapter_load_seconds: tuple[float, ...] = ()
+
+    def kv_free_blocks_for(self, tier: Tier) -> int:
+        """Blocks a new allocation of `tier` could take now: standard may not
+        dip into the part of the premium reserve premium is not using."""
+        if tier is Tier.PREMIUM:
+            return self.kv_free_blocks
+        return max(0, self.kv_free_blocks - self.kv_premium_reserved_blocks)
 
 
 class EngineNotReady(Exception):
@@ -109,6 +141,12 @@ class EngineClient(abc.ABC):
     def adapter_registry(self):
         """The `adapters.registry.AdapterRegistry` the engine loads from,
         validated against this base model; None with LoRA off."""
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics; cheap enough to call on every scrape and
+        safe to call from the event loop while the engine steps. Raises
+        EngineNotReady before the model is loaded."""
+        raise NotImplementedError(f"{type(self).__name__} does not report engine stats")
 
     def add_usage_sink(self, sink) -> None:
         """`sink(StepUsage)` is called, on the engine's thread, after every step."""
@@ -204,6 +242,32 @@ class InProcessEngineClient(EngineClient):
     def abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        # The engine thread mutates these objects while we read them. Each
+        # read is of ints, or a copy made under the GIL; the one walk over
+        # live requests (KV usage by tier) can meet a dict resized under it,
+        # so it is retried.
+        llm = self._llm
+        sched, kv = llm.scheduler, llm.scheduler.kv
+        for attempt in range(_STATS_RETRIES):
+            try:
+                usage = kv.usage()
+                break
+            except RuntimeError:  # "dictionary changed size during iteration"
+                if attempt == _STATS_RETRIES - 1:
+                    raise
+        slots = llm.lora_slots
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_preemptions=dict(sched.num_preemptions),
+            kv_num_blocks=usage.num_blocks, kv_used_blocks=usage.num_used, kv_free_blocks=usage.num_free,
+            kv_premium_reserved_blocks=usage.num_reserved_premium, kv_used_by_tier=dict(usage.used_by_tier),
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            resident_adapters=tuple((key[0], key[1]) for key in slots.resident) if slots else (),
+            adapter_loads=slots.num_loads if slots else 0,
+            adapter_evictions=slots.num_evictions if slots else 0,
+            recent_adapter_load_seconds=tuple(slots.recent_load_seconds) if slots else ())
 
     def add_usage_sink(self, sink) -> None:
         if self._engine is not None:

@@ -65,6 +65,7 @@ class RequestLifecycle:
         self.prompt_tokens = prompt_tokens
         self.last: RequestOutput | None = None
         self.closed = False
+        self._reported = False
         self._started_at = gw.wall_clock()
         self._t0 = gw.clock()
         gw.in_flight += 1
@@ -74,6 +75,11 @@ class RequestLifecycle:
     def saw(self, out: RequestOutput) -> RequestOutput:
         self.last = out
         self.ticket.started()
+        if out.finished:
+            # Report before the caller sends the last bytes: a client that
+            # received the whole response is then sure to be in the ledger,
+            # even if the process dies right after.
+            self._report()
         return out
 
     def close(self) -> None:
@@ -81,9 +87,17 @@ class RequestLifecycle:
             return
         self.closed = True
         self.gw.in_flight -= 1
-        completion_tokens = None if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
-        self.ticket.release(completion_tokens=completion_tokens)
-        record = self._record(completion_tokens or 0)
+        self.ticket.release(completion_tokens=self._completion_tokens())
+        self._report()
+
+    def _completion_tokens(self) -> int | None:
+        return None if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
+
+    def _report(self) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        record = self._record(self._completion_tokens() or 0)
         for observer in self.gw.observers:
             try:
                 observer.on_request_end(record)

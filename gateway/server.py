@@ -22,8 +22,11 @@ import uvicorn
 from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
 from gateway.engine_client import InProcessEngineClient
+from gateway.metrics import GatewayMetrics
+from gateway.slo import SloMonitor
 from gateway.store.base import Store
 from gateway.tenancy import IssuedKey, TenantLimits, Tier
+from gateway.tracing import Tracing, TracingObserver
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,34 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     admission = AdmissionController({Tier.PREMIUM: config.premium, Tier.STANDARD: config.standard},
                                     lambda: engine.kv_capacity, enabled=config.enable_tiers,
                                     clock=time.monotonic)
-    return Gateway(config=config, store=store, engine=engine, admission=admission, clock=time.monotonic)
+    gateway = Gateway(config=config, store=store, engine=engine, admission=admission, clock=time.monotonic)
+    add_observability(gateway, tracing=Tracing.from_env())
+    add_billing(gateway)
+    return gateway
+
+
+def add_billing(gateway: Gateway) -> None:
+    """The meter on the engine's step usage; records via the spool (in the
+    data directory) to the ledger in the gateway's database."""
+    from billing.ledger import Ledger
+    from gateway.metering import build_usage_observer
+
+    build_usage_observer(gateway, spool_path=gateway.config.resolved_data_dir() / "usage-spool.db",
+                         ledger=Ledger(gateway.store.engine))
+
+
+def add_observability(gateway: Gateway, *, tracing: Tracing | None) -> None:
+    """Metrics, traces (None: off) and the SLO monitor, registered as the
+    gateway's request observers."""
+    config = gateway.config
+    gateway.metrics = GatewayMetrics(engine=gateway.engine, admission=gateway.admission,
+                                     max_adapter_labels=config.metrics_adapter_labels,
+                                     max_tenant_labels=config.metrics_tenant_labels)
+    gateway.slo = SloMonitor(config.slo, clock=gateway.clock, wall_clock=gateway.wall_clock)
+    gateway.observers += [gateway.metrics, gateway.slo]
+    if tracing is not None:
+        gateway.tracing = tracing
+        gateway.observers.append(TracingObserver(tracing))
 
 
 async def ensure_demo_tenant(store: Store, now: dt.datetime) -> IssuedKey | None:

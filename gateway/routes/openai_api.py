@@ -29,6 +29,7 @@ from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, Mod
 from gateway.store.base import NotFound
 from gateway.streaming import SSEResponse, check_output, completion_events, run_until_disconnect
 from gateway.tenancy import Principal
+from gateway.tracing import admission_span
 
 PLATFORM_OWNER = "loragw"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
@@ -109,8 +110,9 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     adapter_key = await resolve_model(request, principal, body.model)
     prepared = prepare(body, gw.engine)
     params = prepared.params
-    ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
-                                max_tokens=params.max_tokens * params.n)
+    with admission_span(gw.tracing, principal, model=body.model, chat=chat):
+        ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
+                                    max_tokens=params.max_tokens * params.n)
     request_id = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
     engine_request = EngineRequest(
         request_id=request_id, tenant_id=principal.tenant.id, tier=principal.tenant.tier,

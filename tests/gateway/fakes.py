@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapters.registry import AdapterRegistry
-from gateway.engine_client import EngineClient, KVCapacity
+from gateway.engine_client import EngineClient, EngineStats, KVCapacity
+from gateway.tenancy import Tier
 
 
 class FakeEngineClient(EngineClient):
@@ -57,6 +58,15 @@ class FakeEngineClient(EngineClient):
 
     def abort(self, request_id: str) -> None:
         pass
+
+    def stats(self) -> EngineStats:
+        return self.engine_stats
+
+    engine_stats = EngineStats(
+        num_running={Tier.PREMIUM: 0, Tier.STANDARD: 0}, num_waiting={Tier.PREMIUM: 0, Tier.STANDARD: 0},
+        num_preemptions={Tier.PREMIUM: 0, Tier.STANDARD: 0}, kv_num_blocks=256, kv_used_blocks=0,
+        kv_free_blocks=256, kv_premium_reserved_blocks=64, kv_used_by_tier={Tier.PREMIUM: 0, Tier.STANDARD: 0},
+        prefix_cache_queries=0, prefix_cache_hits=0)
 
     @property
     def adapter_registry(self) -> AdapterRegistry:

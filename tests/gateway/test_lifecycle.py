@@ -89,3 +89,14 @@ def test_finish_reasons_for_a_client_that_left_an_engine_error_and_no_output():
             life.saw(last)
         life.close()
         assert recorder.records[0].finish_reason == expected
+
+
+def test_the_record_goes_out_when_the_final_output_is_seen_before_the_response_ends():
+    recorder = Recorder()
+    gw = Gw([recorder])
+    life = lifecycle(gw, Ticket())
+    life.saw(output(True))
+    # A process killed while the last bytes are on the wire has already reported.
+    assert len(recorder.records) == 1 and gw.in_flight == 1
+    life.close()
+    assert len(recorder.records) == 1 and gw.in_flight == 0
