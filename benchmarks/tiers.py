@@ -70,6 +70,12 @@ def completed_rps(samples: list[Sample], duration_s: float) -> float:
     return len(done) / duration_s
 
 
+def closed_loop_rps(samples: list[Sample]) -> float:
+    """Completed requests over the time until the last one ended."""
+    ends = [s.sent_at + s.latency for s in samples if s.status == 200 and s.latency is not None]
+    return len(ends) / max(ends) if ends else 0.0
+
+
 def run_mode(args, tiers_on: bool) -> dict:
     flags = ["--max-num-seqs", str(args.max_num_seqs)] + ([] if tiers_on else ["--no-tiers"])
     server = GatewayProcess(flags, model=args.model)
@@ -82,7 +88,9 @@ def run_mode(args, tiers_on: bool) -> dict:
 
         cap = asyncio.run(closed_loop(server.base_url, model, premium_keys[0], concurrency=args.concurrency,
                                       duration_s=args.capacity_duration, seed=1, **shape))
-        capacity = completed_rps(cap, args.capacity_duration)
+        capacity = closed_loop_rps(cap)
+        if capacity == 0:
+            raise RuntimeError(f"no request completed in the capacity phase: {[s.status for s in cap]}")
         print(f"[tiers {'on' if tiers_on else 'off'}] capacity {capacity:.2f} req/s", flush=True)
 
         premium_rate = args.premium_load * capacity
