@@ -30,8 +30,10 @@ PREFIX = "loragw:"
 OTHER = "other"  # the label value once a bounded label is full
 BASE_MODEL = "base"  # the adapter label of requests to the base model
 
-# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards carry over.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards carry over;
+# TTFT adds 0.4, the default alert threshold, so deploy/prometheus/'s burn
+# rates count slow requests exactly.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
