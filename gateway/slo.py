@@ -168,6 +168,7 @@ class WebhookNotifier:
         self.backoff_s = backoff_s
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._last: dict[str, asyncio.Task] = {}  # the latest delivery per URL
         self.delivered = 0
         self.failed = 0
 
@@ -178,11 +179,16 @@ class WebhookNotifier:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.timeout_s)
         for url in self.urls:
-            task = loop.create_task(self._post(url, payload))
+            # Each receiver gets its payloads in order: a resolve never
+            # overtakes the firing it resolves.
+            task = loop.create_task(self._post(url, payload, after=self._last.get(url)))
+            self._last[url] = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _post(self, url: str, payload: dict) -> None:
+    async def _post(self, url: str, payload: dict, after: asyncio.Task | None) -> None:
+        if after is not None:
+            await asyncio.wait([after])
         for attempt in range(_DELIVERY_ATTEMPTS):
             try:
                 response = await self._client.post(url, json=payload)
