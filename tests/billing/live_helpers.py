@@ -22,6 +22,22 @@ def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], gran
     from `adapter_dir`, and a live server whose step busy times are also
     collected in `server.steps` (the ground truth)."""
     db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
+    keys = seed_tenants(db_url, tenants, grants)
+    engine = EngineConfig(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
+    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
+                                     standard=TierLimits(max_waiting=64), premium=TierLimits(max_waiting=64)))
+    steps = []
+    gw.engine.add_usage_sink(steps.append)
+    server = start_live_server(gw)
+    for name, _owner, _shared in grants:
+        gw.registry.import_dir(name, adapter_dir)
+    server.keys, server.model, server.steps, server.db_url = keys, gw.served_model_name, steps, db_url
+    return server
+
+
+def seed_tenants(db_url: str, tenants: dict[str, Tier], grants=()) -> dict[str, str]:
+    """Migrate, then add the tenants (one key each: name -> secret) and the
+    adapter grants (name, owner, shared)."""
     migrations.upgrade(db_url)
     now = dt.datetime.now(dt.UTC)
 
@@ -34,17 +50,7 @@ def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], gran
             await store.grant_adapter(name, owner=owner, shared=shared)
         return keys
 
-    keys = run_with_store(db_url, seed)
-    engine = EngineConfig(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
-                                     standard=TierLimits(max_waiting=64), premium=TierLimits(max_waiting=64)))
-    steps = []
-    gw.engine.add_usage_sink(steps.append)
-    server = start_live_server(gw)
-    for name, _owner, _shared in grants:
-        gw.registry.import_dir(name, adapter_dir)
-    server.keys, server.model, server.steps, server.db_url = keys, gw.served_model_name, steps, db_url
-    return server
+    return run_with_store(db_url, seed)
 
 
 def ledger_records(db_url: str) -> list[UsageRecord]:

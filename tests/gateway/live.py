@@ -48,6 +48,17 @@ def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0) -> Li
     return live
 
 
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` every 0.1 s until it returns something truthy, which is returned."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def run_with_store(db_url: str, work):
     """`await work(store)` on a store of its own, from synchronous test code
     (the server's store belongs to the server's event loop)."""

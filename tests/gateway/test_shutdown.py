@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -19,23 +18,13 @@ import pytest
 
 import migrations
 from gateway.server import ensure_demo_tenant
-from tests.gateway.live import run_with_store
+from tests.gateway.live import run_with_store, wait_for
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -48,7 +37,7 @@ def served(tiny_llama_dir, tmp_path):
     with open(out, "w") as stdout:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env)
     try:
-        key = _wait_for(lambda: re.search(r"lgw-[\w-]+", out.read_text()), 60, "the demo key")[0]
+        key = wait_for(lambda: re.search(r"lgw-[\w-]+", out.read_text()), 60, "the demo key")[0]
         url = f"http://127.0.0.1:{port}"
 
         def ready():
@@ -57,7 +46,7 @@ def served(tiny_llama_dir, tmp_path):
             except httpx.TransportError:
                 return proc.poll() is not None  # exited: fail below, not after a timeout
 
-        _wait_for(ready, 120, "/ready")
+        wait_for(ready, 120, "/ready")
         assert proc.poll() is None, out.read_text()
         yield proc, url, key, out
     finally:
@@ -79,7 +68,7 @@ def test_sigterm_drains_the_running_stream_refuses_new_requests_and_exits_0(serv
         proc.send_signal(signal.SIGTERM)
         # New work is refused with a typed 503, while the probe still answers.
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-        refused = _wait_for(lambda: _refused(client, model), 10, "a 503 while draining")
+        refused = wait_for(lambda: _refused(client, model), 10, "a 503 while draining")
         assert refused.status_code == 503 and refused.code == "draining"
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/ready").status_code == 503

@@ -79,3 +79,25 @@ def test_a_request_the_engine_failed_is_an_error_event():
                      chat=True)
     assert "adapter could not be loaded" in events[-2]["error"]["message"]
     assert events[-1] == "[DONE]"
+
+
+def test_the_final_output_is_handed_on_before_its_chunk_is_sent():
+    """Billing reports a request from `on_output`: a client that has the
+    last token chunk must find the request in the ledger after a crash."""
+    fmt = ResponseFormat(id="cmpl-1", model="m", created=0, chat=False, decode=lambda ids: "x")
+    seen = []
+
+    async def rest():
+        yield _out((0, "b", "length"))
+
+    async def until_the_final_chunk():
+        events = completion_events(_out((0, "a", None)), rest(), fmt, n=1, include_usage=True,
+                                   on_output=seen.append)
+        try:
+            async for event in events:
+                if b'"finish_reason":"length"' in event:
+                    return [out.finished for out in seen]
+        finally:
+            await events.aclose()
+
+    assert asyncio.run(until_the_final_chunk()) == [False, True]

@@ -1,0 +1,197 @@
+"""`loragw usage export` (CSV and JSONL, per record or per tenant per day,
+a tenant filter, prices per tier) and `GET /admin/usage`, which answers the
+same figures as JSON, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import datetime as dt
+import io
+import json
+from decimal import ROUND_HALF_EVEN, Decimal
+
+import pytest
+
+from billing.ledger import Ledger
+from billing.records import ADAPTER_LOAD, OVERHEAD, RECOMPUTE, REQUEST, UsageRecord, to_us
+from billing.pricing import PriceBook
+from gateway.cli import main
+from gateway.store.sql import create_engine
+from gateway.tenancy import TenantLimits, Tier
+from tests.gateway.admin_app import ADMIN, admin_client
+from tests.gateway.live import run_with_store
+
+PRICE_FLAGS = ["--price", "premium:2,1,3", "--price", "standard:1,0.5,1"]
+PRICES = {"premium": (Decimal(2), Decimal(1), Decimal(3)), "standard": (Decimal(1), Decimal("0.5"), Decimal(1))}
+DAY0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+RANGE = ["--since", "2026-11-01", "--until", "2026-11-03"]
+
+
+def at(day: int, hour: int) -> int:
+    return to_us(DAY0 + dt.timedelta(days=day, hours=hour))
+
+
+def rec(request_id: str, kind: str, tenant: str, tier: str, ended_at_us: int, **kw) -> UsageRecord:
+    return UsageRecord(request_id=request_id, kind=kind, tenant_id=f"id-{tenant}", tenant=tenant, tier=tier,
+                       ended_at_us=ended_at_us, **kw)
+
+
+RECORDS = [
+    rec("g1", REQUEST, "gold", "premium", at(0, 10), key_id="k-gold", prompt_tokens=1000,
+        cached_prompt_tokens=200, completion_tokens=500, gpu_us=1_500_000, finish_reason="stop",
+        started_at_us=at(0, 10) - 2_000_000, queue_us=1000, ttft_us=50_000, e2e_us=2_000_000),
+    rec("s1/recompute/g1", RECOMPUTE, "gold", "premium", at(0, 10), recompute_us=40_000, caused_by="g1"),
+    rec("s1", REQUEST, "silver", "standard", at(0, 11), key_id="k-silver", prompt_tokens=2000,
+        completion_tokens=1000, gpu_us=3_000_000, finish_reason="client_disconnect"),
+    rec("adapter-load/1", ADAPTER_LOAD, "silver", "standard", at(0, 9), adapter="silver-lora", adapter_version=2,
+        adapter_load_us=12_000),
+    rec("overhead/1", OVERHEAD, "platform-overhead", "platform", at(0, 12), gpu_us=333),
+    rec("g2", REQUEST, "gold", "premium", at(1, 8), adapter="gold-lora", adapter_version=1, prompt_tokens=300,
+        completion_tokens=100, gpu_us=250_000, finish_reason="length"),
+    rec("s2", REQUEST, "silver", "standard", at(1, 23), completion_tokens=10, gpu_us=7, finish_reason="abort"),
+    rec("s3", REQUEST, "silver", "standard", at(2, 0), completion_tokens=99, gpu_us=99, finish_reason="stop"),
+]
+IN_RANGE = [r for r in RECORDS if r.ended_at_us < at(2, 0)]
+
+
+def cost(tier: str, charged_us: int, prompt: int, cached: int, completion: int) -> str:
+    """The price formula of docs/billing.md, by hand."""
+    gpu_s, prompt_1k, completion_1k = PRICES.get(tier, (0, 0, 0))
+    exact = (Decimal(charged_us) / 10**6 * gpu_s + Decimal(prompt - cached) / 1000 * prompt_1k
+             + Decimal(completion) / 1000 * completion_1k)
+    return str(exact.quantize(Decimal("0.000001"), rounding=ROUND_HALF_EVEN))
+
+
+@pytest.fixture
+def ledger_db(db_url):
+    """The records in the ledger, and the tenants in the store (the API checks `?tenant=`)."""
+
+    async def append():
+        engine = create_engine(db_url)
+        try:
+            await Ledger(engine).append(RECORDS)
+        finally:
+            await engine.dispose()
+
+    async def tenants(store):
+        await store.create_tenant("gold", Tier.PREMIUM, TenantLimits())
+        await store.create_tenant("silver", Tier.STANDARD, TenantLimits())
+
+    asyncio.run(append())
+    run_with_store(db_url, tenants)
+    return db_url
+
+
+@pytest.fixture
+def export(ledger_db, capsys, monkeypatch):
+    """export(*flags) -> stdout of `loragw usage export` on the ledger."""
+    monkeypatch.delenv("LORAGW_PRICE", raising=False)
+
+    def run(*flags: str) -> str:
+        code = main(["usage", "export", "--db", ledger_db, *flags])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out
+
+    return run
+
+
+def test_jsonl_rows_are_the_records_in_range_priced_per_tier(export):
+    rows = [json.loads(line) for line in export(*RANGE, *PRICE_FLAGS, "--format", "jsonl").splitlines()]
+    assert [r["request_id"] for r in rows] == [r.request_id for r in sorted(IN_RANGE, key=lambda r: r.ended_at_us)]
+    for row in rows:
+        r = next(r for r in RECORDS if r.request_id == row["request_id"])
+        assert {k: row[k] for k in ("kind", "tenant", "tier", "key_id", "adapter", "adapter_version",
+                                    "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens",
+                                    "gpu_us", "recompute_us", "adapter_load_us", "queue_us", "ttft_us", "e2e_us",
+                                    "caused_by")} == {
+            "kind": r.kind, "tenant": r.tenant, "tier": r.tier, "key_id": r.key_id, "adapter": r.adapter,
+            "adapter_version": r.adapter_version, "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens, "cached_prompt_tokens": r.cached_prompt_tokens,
+            "completion_tokens": r.completion_tokens, "gpu_us": r.gpu_us, "recompute_us": r.recompute_us,
+            "adapter_load_us": r.adapter_load_us, "queue_us": r.queue_us, "ttft_us": r.ttft_us,
+            "e2e_us": r.e2e_us, "caused_by": r.caused_by}
+        assert Decimal(row["gpu_seconds"]) * 10**6 == r.charged_us
+        assert row["cost"] == cost(r.tier, r.charged_us, r.prompt_tokens, r.cached_prompt_tokens,
+                                   r.completion_tokens)
+        assert dt.datetime.fromisoformat(row["ended_at"]) == DAY0 + dt.timedelta(microseconds=r.ended_at_us - at(0, 0))
+    g1 = next(row for row in rows if row["request_id"] == "g1")
+    assert g1["cost"] == "5.300000"  # premium: 1.5 s x 2 + 0.8k uncached prompt x 1 + 0.5k completion x 3
+    assert next(row for row in rows if row["request_id"] == "overhead/1")["cost"] == "0.000000"  # unpriced tier
+
+
+def test_csv_totals_per_tenant_per_day_with_a_tenant_filter_to_a_file(export, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAGW_PRICE", "premium:2,1,3 standard:1,0.5,1")  # prices from the environment
+    out = tmp_path / "silver.csv"
+    assert export(*RANGE, "--tenant", "silver", "--group-by", "day", "--format", "csv", "-o", str(out)) == ""
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    day0, day1 = rows
+    assert (day0["tenant"], day0["tier"], day0["period_start"]) == ("silver", "standard", "2026-11-01T00:00:00+00:00")
+    assert day1["period_start"] == "2026-11-02T00:00:00+00:00"
+    # day 0: s1 and its adapter load; day 1: s2 (s3 ends at --until, which is exclusive)
+    assert {k: int(day0[k]) for k in ("requests", "prompt_tokens", "completion_tokens", "gpu_us",
+                                      "adapter_load_us")} == {
+        "requests": 1, "prompt_tokens": 2000, "completion_tokens": 1000, "gpu_us": 3_000_000,
+        "adapter_load_us": 12_000}
+    assert day0["gpu_seconds"] == "3.012" and day0["cost"] == cost("standard", 3_012_000, 2000, 0, 1000) == "5.012000"
+    assert (int(day1["requests"]), int(day1["gpu_us"]), day1["cost"]) == (1, 7, cost("standard", 7, 0, 0, 10))
+
+
+def test_daily_totals_add_up_to_the_records(export):
+    rows = [json.loads(line) for line in export(*RANGE, *PRICE_FLAGS, "--group-by", "day", "--format", "jsonl")
+            .splitlines()]
+    assert [(r["tenant"], r["period_start"][:10]) for r in rows] == [
+        ("gold", "2026-11-01"), ("platform-overhead", "2026-11-01"), ("silver", "2026-11-01"),
+        ("gold", "2026-11-02"), ("silver", "2026-11-02")]
+    for field in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "gpu_us", "recompute_us",
+                  "adapter_load_us"):
+        assert sum(r[field] for r in rows) == sum(getattr(r, field) for r in IN_RANGE)
+    assert sum(r["requests"] for r in rows) == sum(r.kind == REQUEST for r in IN_RANGE)
+    gold0 = rows[0]
+    assert (gold0["requests"], gold0["recompute_us"], gold0["gpu_seconds"]) == (1, 40_000, "1.54")
+    assert gold0["cost"] == cost("premium", 1_540_000, 1000, 200, 500) == "5.380000"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--since", "yesterday", "--until", "2026-11-03"], "not an ISO date"),
+    ([*RANGE, "--price", "premium:1,2"], "expected TIER:"),
+])
+def test_bad_flags_are_one_error_line(ledger_db, capsys, flags, message):
+    assert main(["usage", "export", "--db", ledger_db, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.fixture
+def api(ledger_db):
+    with admin_client(ledger_db, registry=None, prices=PriceBook.parse(PRICE_FLAGS[1::2])) as client:
+        yield client
+
+
+def test_admin_usage_needs_the_admin_token(api):
+    assert api.get("/admin/usage").status_code == 401
+    assert api.get("/admin/usage", headers={"Authorization": "Bearer not-it"}).status_code == 401
+
+
+@pytest.mark.parametrize("query, flags", [
+    ({}, []),
+    ({"group_by": "day"}, ["--group-by", "day"]),
+    ({"group_by": "hour", "tenant": "gold"}, ["--group-by", "hour", "--tenant", "gold"]),
+    ({"tenant": "silver"}, ["--tenant", "silver"]),
+])
+def test_admin_usage_answers_what_the_export_writes(api, export, query, flags):
+    response = api.get("/admin/usage", headers=ADMIN,
+                       params={"since": "2026-11-01", "until": "2026-11-03", **query})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and body["data"]
+    exported = [json.loads(line) for line in export(*RANGE, *PRICE_FLAGS, *flags, "--format", "jsonl").splitlines()]
+    assert body["data"] == exported
+
+
+def test_admin_usage_refuses_an_unknown_tenant_and_bad_parameters(api):
+    assert api.get("/admin/usage?tenant=nobody", headers=ADMIN).status_code == 404
+    for query in ("group_by=week", "since=yesterday"):
+        response = api.get(f"/admin/usage?{query}", headers=ADMIN)
+        assert response.status_code == 400, response.text
