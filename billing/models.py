@@ -6,6 +6,8 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, Integer, MetaData, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from billing.records import MAX_RECORD_ID
+
 
 class BillingBase(DeclarativeBase):
     metadata = MetaData(naming_convention={"pk": "pk_%(table_name)s", "ix": "ix_%(column_0_label)s"})
@@ -18,7 +20,7 @@ class UsageRecordRow(BillingBase):
     __table_args__ = (Index("ix_usage_records_tenant_ended", "tenant", "ended_at_us"),
                       Index("ix_usage_records_ended", "ended_at_us"))
 
-    request_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(MAX_RECORD_ID), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))
     tenant_id: Mapped[str] = mapped_column(String(32))
     tenant: Mapped[str] = mapped_column(String(64))

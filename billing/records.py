@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 REQUEST, RECOMPUTE, ADAPTER_LOAD, OVERHEAD = "request", "recompute", "adapter_load", "overhead"
 FINISH_REASONS = ("stop", "length", "abort", "client_disconnect", "error")
+MAX_RECORD_ID = 200  # the ledger's key column is VARCHAR(200)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class UsageRecord:
     e2e_us: int | None = None
     finish_reason: str | None = None
     started_at_us: int | None = None
-    caused_by: str | None = None  # recompute: the preempted request
+    caused_by: str | None = None  # recompute: the request whose allocation preempted (the payer)
 
     @property
     def charged_us(self) -> int:

@@ -12,11 +12,13 @@ engine is idle), and that step is billed to it too.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import uuid
 
 from billing.meter import PLATFORM_OVERHEAD, Account, Meter, MeteredUsage
-from billing.records import ADAPTER_LOAD, OVERHEAD, RECOMPUTE, REQUEST, UsageRecord, seconds_to_us, to_us
+from billing.records import (ADAPTER_LOAD, MAX_RECORD_ID, OVERHEAD, RECOMPUTE, REQUEST, UsageRecord,
+                             seconds_to_us, to_us)
 from billing.spool import Spool, SpoolFlusher
 from gateway.lifecycle import RequestObserver, RequestRecord
 from gateway.store.base import NotFound
@@ -74,7 +76,7 @@ class UsageObserver(RequestObserver):
     def _settle(self, record: RequestRecord) -> None:
         usage = self.meter.settle(record.request_id) or MeteredUsage(record.request_id, 0, 0, 0, ())
         records = [_request_record(record, usage)] + [
-            UsageRecord(request_id=f"{record.request_id}/recompute/{c.payer_request_id or 'platform'}",
+            UsageRecord(request_id=recompute_record_id(record.request_id, c.payer_request_id),
                         kind=RECOMPUTE, tenant_id=c.payer.tenant_id, tenant=c.payer.tenant, key_id=c.payer.key_id,
                         tier=c.payer.tier, ended_at_us=to_us(record.ended_at), recompute_us=c.recompute_us,
                         caused_by=c.payer_request_id)
@@ -108,6 +110,16 @@ class UsageObserver(RequestObserver):
         for r in records:
             count_usage(tenant=r.tenant, gpu_us=r.charged_us, prompt_tokens=r.prompt_tokens,
                                 completion_tokens=r.completion_tokens)
+
+
+def recompute_record_id(victim_id: str, payer_request_id: str | None) -> str:
+    """`<victim>/recompute/<payer or platform>`; when that would not fit the
+    ledger's key (long client X-Request-Ids), a digest of it: a record the
+    database refuses would stall the spool behind it."""
+    readable = f"{victim_id}/recompute/{payer_request_id or 'platform'}"
+    if len(readable) <= MAX_RECORD_ID:
+        return readable
+    return f"recompute/{hashlib.sha256(readable.encode()).hexdigest()}"
 
 
 def _request_record(record: RequestRecord, usage: MeteredUsage) -> UsageRecord:

@@ -113,7 +113,8 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     with admission_span(gw.tracing, principal, model=body.model, chat=chat):
         ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
                                     max_tokens=params.max_tokens * params.n)
-    request_id = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    # Unique even when a client sends the same X-Request-Id again: the ledger keys on it.
+    request_id = f"{request.state.request_id}-{uuid.uuid4().hex}"
     engine_request = EngineRequest(
         request_id=request_id, tenant_id=principal.tenant.id, tier=principal.tenant.tier,
         prompt_ids=prepared.prompt_ids, params=params, adapter_key=adapter_key, cache_salt=principal.cache_salt)

@@ -13,7 +13,8 @@ import pytest
 from billing.export import usage_rows, write
 from billing.ledger import Ledger
 from billing.pricing import PriceBook
-from billing.records import REQUEST, UsageRecord
+from billing.records import RECOMPUTE, REQUEST, UsageRecord
+from gateway.metering import recompute_record_id
 from gateway.store.sql import create_engine
 
 pytestmark = pytest.mark.anyio
@@ -75,3 +76,16 @@ async def test_csv_and_jsonl_exports_match_the_ledger(ledger):
         assert j["cost"] == c["cost"]
     assert Decimal(from_jsonl[0]["cost"]) == Decimal(3 + 1 + 6)  # premium prices on a premium record
     assert Decimal(from_jsonl[3]["cost"]) == Decimal("0.010007")  # standard: 7 us + 10 completion tokens
+
+
+async def test_a_recompute_between_the_longest_request_ids_fits_the_ledger(ledger):
+    # Engine request ids are the client's X-Request-Id (up to 128 characters), '-' and a random suffix.
+    victim, payer = "v" * 128 + "-" + "a" * 32, "p" * 128 + "-" + "b" * 32
+    charge_id = recompute_record_id(victim, payer)
+    charge = UsageRecord(request_id=charge_id, kind=RECOMPUTE, tenant_id="id-gold", tenant="gold", tier="premium",
+                         ended_at_us=DAY, recompute_us=5, caused_by=payer)
+    await ledger.append([charge])  # PostgreSQL refuses a key longer than the column
+    assert await ledger.records() == [charge]
+    assert recompute_record_id(victim, payer) == charge_id  # a replay keeps its key
+    assert recompute_record_id("v1", "p1") == "v1/recompute/p1" and recompute_record_id("v1", None) == \
+        "v1/recompute/platform"
