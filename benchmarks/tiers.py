@@ -66,8 +66,12 @@ def _finite(x: float):
 
 
 def completed_rps(samples: list[Sample], duration_s: float) -> float:
-    done = [s for s in samples if s.status == 200 and s.latency is not None and s.sent_at + s.latency <= duration_s]
-    return len(done) / duration_s
+    """The sustained completion rate while the server was busy: completions
+    between the first and the last of those that ended in the arrival
+    window (the pipeline's fill time at the start is not counted)."""
+    ends = sorted(s.sent_at + s.latency for s in samples if s.status == 200 and s.latency is not None)
+    ends = [t for t in ends if t <= duration_s]
+    return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else 0.0
 
 
 def closed_loop_rps(samples: list[Sample]) -> float:

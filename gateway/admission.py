@@ -72,6 +72,12 @@ class _TierState:
     starts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_RATE_WINDOW))
     rejected: collections.Counter = field(default_factory=collections.Counter)
 
+    def start_rate(self, now: float) -> float | None:
+        """First tokens per second over the recent window; None until known."""
+        if len(self.starts) < 2 or now <= self.starts[0]:
+            return None
+        return len(self.starts) / (now - self.starts[0])
+
     def drain_estimate_s(self, now: float) -> float:
         """How long until a waiting slot frees, from the recent start rate."""
         if len(self.starts) < 2 or now <= self.starts[0]:
@@ -160,6 +166,15 @@ class AdmissionController:
                 f"the {tier_name.value} tier's queue is full ({limits.max_waiting} requests waiting "
                 f"for their first token); retry later", limit="tier_queue_full",
                 retry_after_s=tier.drain_estimate_s(now))
+        rate = tier.start_rate(now)
+        if limits.max_queue_wait_s is not None and tier.waiting > 0 and rate is not None:
+            expected = (tier.waiting + 1) / rate
+            if expected > limits.max_queue_wait_s:
+                tier.rejected["max_queue_wait"] += 1
+                raise RateLimited(
+                    f"the {tier_name.value} tier's queue would hold this request about {expected:.0f} s "
+                    f"before its first token (limit {limits.max_queue_wait_s:g} s); retry later",
+                    limit="tier_queue_wait", retry_after_s=expected - limits.max_queue_wait_s)
         budget = self.queued_token_budget(tier_name)
         # An empty queue takes any single prompt, so a large one is never
         # refused forever; the engine checks it against the context length.

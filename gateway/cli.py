@@ -57,6 +57,8 @@ def _add_serve_parser(sub) -> None:
       help="share of the KV cache only premium requests may use")
     f("--premium-max-waiting", type=int, default=64, help="premium requests queued before 429")
     f("--standard-max-waiting", type=int, default=64, help="standard requests queued before 429")
+    f("--standard-max-queue-wait", type=float, default=10.0,
+      help="seconds a standard request may expect to queue before its first token, else 429 (0: no bound)")
     f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
     f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -103,7 +105,8 @@ def _serve_config(args: argparse.Namespace):
         host=args.host, port=args.port, db_url=args.db, admin_token=args.admin_token or None, engine=engine,
         served_model_name=args.served_model_name, enable_tiers=tiers,
         premium=TierLimits(max_waiting=args.premium_max_waiting),
-        standard=TierLimits(max_waiting=args.standard_max_waiting), drain_timeout_s=args.drain_timeout,
+        standard=TierLimits(max_waiting=args.standard_max_waiting,
+                            max_queue_wait_s=args.standard_max_queue_wait or None), drain_timeout_s=args.drain_timeout,
         metrics_adapter_labels=args.metrics_adapter_labels, metrics_tenant_labels=args.metrics_tenant_labels,
         slo=_slo_config(args), prices=cli_usage.price_book(args))
 

@@ -23,6 +23,9 @@ class TierLimits:
     max_waiting: int = 64
     max_queued_tokens: int | None = None
     kv_overcommit: float = 2.0
+    # Refuse a request the queue would hold longer than this before its first
+    # token, judged from the tier's recent rate of first tokens. None: no bound.
+    max_queue_wait_s: float | None = None
 
 
 @dataclass
@@ -37,7 +40,7 @@ class GatewayConfig:
     # admission limits (the baseline of benchmarks/tiers.py).
     enable_tiers: bool = True
     premium: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
-    standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
+    standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64, max_queue_wait_s=10.0))
     drain_timeout_s: float = 30.0
     max_upload_bytes: int = 256 * 1024 * 1024
     data_dir: Path | None = None  # None: $LORAGW_DATA_DIR or the user data dir

@@ -155,3 +155,21 @@ def test_retry_after_follows_the_tiers_recent_start_rate():
         ctl.admit(std, prompt_tokens=1, max_tokens=1)
     # 4 starts over 12 s since the first: a slot frees about every 3 s.
     assert info.value.headers["Retry-After"] == "3"
+
+
+def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
+    clock = Clock()
+    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
+    std = principal("s", Tier.STANDARD)
+    for _ in range(5):  # the tier starts one request a second
+        ctl.admit(std, prompt_tokens=1, max_tokens=1).started()
+        clock.now += 1.0
+    held = [ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(5)]  # the 5th expects 5 s
+    with pytest.raises(RateLimited) as info:
+        ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    assert info.value.code == "tier_queue_wait" and info.value.headers["Retry-After"] == "1"
+    held[0].started()  # one left the queue: the next fits again
+    ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    # Premium, with no bound of its own, is not affected.
+    for _ in range(4):  # up to its own max_waiting
+        ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=1, max_tokens=1)
