@@ -21,6 +21,11 @@ class SchedulerConfig:
     # With tiers on, a step that prefills premium work carries no standard
     # prefill: premium TTFT then costs one short step, not a full one.
     premium_prefill_alone: bool = True
+    # With tiers on, the most prompt tokens standard requests may prefill in
+    # one step (None: the whole budget). A premium request that arrives
+    # mid-step waits for that step, so this bounds its TTFT under a
+    # standard flood; on a CPU, step time grows with every token.
+    max_standard_prefill_tokens: int | None = None
     # Distinct LoRA adapters that may run in one step (0 disables LoRA), and
     # the steps a request may be passed while it waits for an adapter slot.
     max_loras: int = 4
@@ -80,6 +85,7 @@ class EngineConfig:
     premium_reserved_fraction: float = 0.0
     enable_tiers: bool = True
     premium_prefill_alone: bool = True
+    max_standard_prefill_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU
     # LoRA: adapters resident in device slots at once (0 turns LoRA off), the
     # rank every slot is padded to, adapters kept loaded on the host, the SGMV
@@ -116,6 +122,7 @@ class EngineConfig:
             max_model_len=max_len,
             enable_tiers=self.enable_tiers,
             premium_prefill_alone=self.premium_prefill_alone,
+            max_standard_prefill_tokens=self.max_standard_prefill_tokens,
             max_loras=self.max_loras,
             max_slot_wait_steps=self.max_slot_wait_steps,
         )

@@ -141,11 +141,14 @@ class Scheduler:
         self._schedule_running_all([r for r in self.running if r.num_remaining_tokens == 1], plan)
         for tier in self._tier_order():
             budget_before = plan.budget
+            held_back = self._held_back(plan, tier)
+            plan.budget -= held_back
             self._schedule_running_all([r for r in self.running if r.num_remaining_tokens > 1
                                         and self._tier(r) is tier], plan)
             # Under memory pressure, admitting more would only preempt again.
             if len(plan.preemptions) == num_admission_preemptions:
                 self._admit_waiting(plan, tier)
+            plan.budget += held_back
             if (tier is Tier.PREMIUM and plan.budget < budget_before
                     and self.config.premium_prefill_alone):
                 break  # premium prefill runs without standard prefill beside it
@@ -211,6 +214,13 @@ class Scheduler:
                 self._preempt(req, plan, caused_by=None)
                 return
             self._preempt(victim, plan, caused_by=req.request_id)
+
+    def _held_back(self, plan: _StepPlan, tier: Tier) -> int:
+        """Budget standard prefill may not use this step (see SchedulerConfig)."""
+        cap = self.config.max_standard_prefill_tokens
+        if cap is None or tier is not Tier.STANDARD or not self.config.enable_tiers:
+            return 0
+        return max(0, plan.budget - cap)
 
     def _tier_order(self) -> tuple[Tier, ...]:
         return (Tier.PREMIUM, Tier.STANDARD) if self.config.enable_tiers else (Tier.STANDARD,)

@@ -57,6 +57,9 @@ def _add_serve_parser(sub) -> None:
       help="share of the KV cache only premium requests may use")
     f("--premium-max-waiting", type=int, default=64, help="premium requests queued before 429")
     f("--standard-max-waiting", type=int, default=64, help="standard requests queued before 429")
+    f("--standard-prefill-tokens", type=int, default=256,
+      help="most standard prompt tokens prefilled per step with tiers on, which bounds how long a premium "
+           "arrival waits for the step in flight (0: no cap; raise it on a GPU)")
     f("--standard-max-queue-wait", type=float, default=10.0,
       help="seconds a standard request may expect to queue before its first token, else 429 (0: no bound)")
     f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
@@ -99,6 +102,7 @@ def _serve_config(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.num_threads or engine_threads_beside_the_server(),
+        max_standard_prefill_tokens=args.standard_prefill_tokens or None,
         kv_cache_memory=args.kv_cache_memory, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         premium_reserved_fraction=args.premium_reserved_fraction if tiers else 0.0, enable_tiers=tiers)
     return GatewayConfig(

@@ -64,6 +64,25 @@ def test_a_step_that_prefills_premium_carries_no_standard_prefill():
     assert slices(out) == {"dec": 1, "pre": 1, "std": 40}
 
 
+def test_standard_prefill_per_step_is_capped_with_tiers_on():
+    s = make_scheduler(budget=64, block_size=4)
+    s.config.max_standard_prefill_tokens = 10
+    s.add_request(make_request("a", 8))
+    s.add_request(make_request("b", 8))
+    out, _ = step(s)
+    assert slices(out) == {"a": 8, "b": 2}
+    out, _ = step(s)
+    assert slices(out) == {"a": 1, "b": 6}
+    s.add_request(make_request("p", 30, tier=Tier.PREMIUM))
+    out, _ = step(s)
+    assert slices(out)["p"] == 30  # premium is not capped
+    fcfs = make_scheduler(budget=64, block_size=4, tiers=False)
+    fcfs.config.max_standard_prefill_tokens = 10
+    fcfs.add_request(make_request("a", 30))
+    out, _ = step(fcfs)
+    assert slices(out) == {"a": 30}  # with tiers off there is no cap
+
+
 def test_premium_takes_a_seat_from_the_newest_standard_when_max_num_seqs_is_full():
     s = make_scheduler(budget=64, max_seqs=2)
     s.add_request(make_request("s1", 4, max_tokens=50))
