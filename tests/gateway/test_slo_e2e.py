@@ -65,7 +65,13 @@ def flood_then_premium(live) -> list[int]:
     async def main():
         async with httpx.AsyncClient(base_url=live.url, timeout=120) as client:
             flood = [asyncio.create_task(_complete(client, live.keys["crowd"], live.model, 40)) for _ in range(4)]
-            await asyncio.sleep(0.3)  # the flood holds both seats and queues behind them
+            # The flood must be in the engine (both seats held, the rest queued)
+            # before premium arrives; on a loaded machine that takes a while.
+            for _ in range(600):
+                if live.gateway.in_flight >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
             premium = await asyncio.gather(*(_complete(client, live.keys["vip"], live.model, 2) for _ in range(2)))
             await asyncio.gather(*flood)
             return premium
