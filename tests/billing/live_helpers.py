@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from pathlib import Path
 
-import migrations
 from billing.ledger import Ledger
 from billing.records import UsageRecord
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
 from gateway.server import build_gateway
-from gateway.tenancy import TenantLimits, Tier
-from tests.gateway.live import run_with_store, start_live_server
+from gateway.tenancy import Tier
+from tests.gateway.live import seed_tenants, start_live_server
 
 
 def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], grants=(), adapter_dir=None,
@@ -33,24 +31,6 @@ def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], gran
         gw.registry.import_dir(name, adapter_dir)
     server.keys, server.model, server.steps, server.db_url = keys, gw.served_model_name, steps, db_url
     return server
-
-
-def seed_tenants(db_url: str, tenants: dict[str, Tier], grants=()) -> dict[str, str]:
-    """Migrate, then add the tenants (one key each: name -> secret) and the
-    adapter grants (name, owner, shared)."""
-    migrations.upgrade(db_url)
-    now = dt.datetime.now(dt.UTC)
-
-    async def seed(store):
-        keys = {}
-        for name, tier in tenants.items():
-            await store.create_tenant(name, tier, TenantLimits())
-            keys[name] = (await store.create_key(name, now=now)).secret
-        for name, owner, shared in grants:
-            await store.grant_adapter(name, owner=owner, shared=shared)
-        return keys
-
-    return run_with_store(db_url, seed)
 
 
 def ledger_records(db_url: str) -> list[UsageRecord]:

@@ -32,7 +32,8 @@ import pytest
 
 from billing.records import REQUEST
 from gateway.tenancy import Tier
-from tests.billing.live_helpers import ledger_records, request_id_of, seed_tenants
+from tests.billing.live_helpers import ledger_records, request_id_of
+from tests.gateway.live import seed_tenants
 from tests.gateway.live import wait_for
 
 TENANTS = {"gold": Tier.PREMIUM, "silver": Tier.STANDARD}

@@ -4,6 +4,7 @@ tests that drive it over HTTP with the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +58,29 @@ def wait_for(predicate, timeout_s: float, what: str):
             return found
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def seed_tenants(db_url: str, tenants: dict, grants=()) -> dict[str, str]:
+    """Migrate, then add the tenants (name -> Tier, or (Tier, TenantLimits)),
+    one key each, and the adapter grants (name, owner, shared). Returns
+    name -> key secret."""
+    import migrations
+    from gateway.tenancy import TenantLimits
+
+    migrations.upgrade(db_url)
+    now = dt.datetime.now(dt.UTC)
+
+    async def seed(store):
+        keys = {}
+        for name, spec in tenants.items():
+            tier, limits = spec if isinstance(spec, tuple) else (spec, TenantLimits())
+            await store.create_tenant(name, tier, limits)
+            keys[name] = (await store.create_key(name, now=now)).secret
+        for name, owner, shared in grants:
+            await store.grant_adapter(name, owner=owner, shared=shared)
+        return keys
+
+    return run_with_store(db_url, seed)
 
 
 def run_with_store(db_url: str, work):

@@ -4,35 +4,23 @@ Retry-After while every concurrent premium request succeeds."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 
 import httpx
 import pytest
 
-import migrations
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
 from gateway.server import build_gateway
-from gateway.tenancy import TenantLimits, Tier
-from tests.gateway.live import run_with_store, start_live_server
+from gateway.tenancy import Tier
+from tests.gateway.live import seed_tenants, start_live_server
 
 
 @pytest.fixture(scope="module")
 def live(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live-admission")
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
-    migrations.upgrade(db_url)
-    now = dt.datetime.now(dt.UTC)
-
-    async def seed(store):
-        keys = {}
-        for name, tier in [("vip", Tier.PREMIUM), ("crowd", Tier.STANDARD)]:
-            await store.create_tenant(name, tier, TenantLimits())
-            keys[name] = (await store.create_key(name, now=now)).secret
-        return keys
-
-    keys = run_with_store(db_url, seed)
+    keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "crowd": Tier.STANDARD})
     # Two seats: the flood's first two hold them, the next three wait for a
     # first token (the standard queue's limit), the rest must be refused.
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512,

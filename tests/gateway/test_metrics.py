@@ -6,14 +6,12 @@ counters; the engine collector's adapter series."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import migrations
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
 from gateway.engine_client import EngineStats
@@ -21,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
 from tests.gateway.fakes import FakeEngineClient
-from tests.gateway.live import run_with_store, start_live_server
+from tests.gateway.live import seed_tenants, start_live_server
 
 
 def scrape(text: str) -> dict[tuple[str, tuple], float]:
@@ -101,18 +99,8 @@ SERIES = [
 def live(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live-metrics")
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
-    migrations.upgrade(db_url)
-    now = dt.datetime.now(dt.UTC)
-
-    async def seed(store):
-        keys = {}
-        for name, tier, limits in [("vip", Tier.PREMIUM, TenantLimits()), ("crowd", Tier.STANDARD, TenantLimits()),
-                                   ("capped", Tier.STANDARD, TenantLimits(requests_per_minute=1))]:
-            await store.create_tenant(name, tier, limits)
-            keys[name] = (await store.create_key(name, now=now)).secret
-        return keys
-
-    keys = run_with_store(db_url, seed)
+    keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "crowd": Tier.STANDARD,
+                                 "capped": (Tier.STANDARD, TenantLimits(requests_per_minute=1))})
     # One seat: a premium request arriving while a standard one runs takes
     # its seat, which preempts the standard one (the premium seat rule).
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=1, num_kv_blocks=256,

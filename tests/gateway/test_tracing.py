@@ -4,7 +4,6 @@ an incoming traceparent honoured, and a 429 recorded on its admission span."""
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 
 import httpx
@@ -14,13 +13,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-import migrations
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
 from gateway.tracing import Tracing, TracingObserver
-from tests.gateway.live import run_with_store, start_live_server
+from tests.gateway.live import seed_tenants, start_live_server
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -30,15 +28,7 @@ PARENT_ID = "00f067aa0ba902b7"
 def live(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live-tracing")
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
-    migrations.upgrade(db_url)
-
-    async def seed(store):
-        now = dt.datetime.now(dt.UTC)
-        await store.create_tenant("vip", Tier.PREMIUM, TenantLimits())
-        await store.create_tenant("capped", Tier.STANDARD, TenantLimits(requests_per_minute=1))
-        return {name: (await store.create_key(name, now=now)).secret for name in ("vip", "capped")}
-
-    keys = run_with_store(db_url, seed)
+    keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "capped": (Tier.STANDARD, TenantLimits(requests_per_minute=1))})
     engine = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, data_dir=str(tmp / "data"))
     gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
     exporter = InMemorySpanExporter()
