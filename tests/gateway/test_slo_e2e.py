@@ -5,18 +5,16 @@ the TTFT alert reaches a real webhook receiver and /admin/alerts."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 
 import httpx
 import pytest
 
-import migrations
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
 from gateway.server import build_gateway
 from gateway.slo import ALERT_NAME, SloConfig
-from gateway.tenancy import TenantLimits, Tier
-from tests.gateway.live import run_with_store, start_live_server
+from gateway.tenancy import Tier
+from tests.gateway.live import seed_tenants, start_live_server
 from tests.gateway.test_slo import Receiver
 
 ADMIN = "admin-secret"
@@ -32,15 +30,7 @@ def receiver():
 def serve(tiny_llama_dir, tmp, receiver_url: str, *, tiers: bool):
     tmp.mkdir(parents=True, exist_ok=True)
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
-    migrations.upgrade(db_url)
-
-    async def seed(store):
-        now = dt.datetime.now(dt.UTC)
-        await store.create_tenant("vip", Tier.PREMIUM, TenantLimits())
-        await store.create_tenant("crowd", Tier.STANDARD, TenantLimits())
-        return {name: (await store.create_key(name, now=now)).secret for name in ("vip", "crowd")}
-
-    keys = run_with_store(db_url, seed)
+    keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "crowd": Tier.STANDARD})
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512, enable_tiers=tiers,
                           premium_reserved_fraction=0.2 if tiers else 0.0, data_dir=str(tmp / "data"))
     # Small numbers for a CPU and a tiny model: page when half the premium
@@ -64,7 +54,9 @@ async def _complete(client, key: str, model: str, tokens: int) -> int:
 def flood_then_premium(live) -> list[int]:
     async def main():
         async with httpx.AsyncClient(base_url=live.url, timeout=120) as client:
-            flood = [asyncio.create_task(_complete(client, live.keys["crowd"], live.model, 40)) for _ in range(4)]
+            # Long enough that, with tiers off, premium waits well past the
+            # 250 ms alert even on an idle machine (40 tokens did not).
+            flood = [asyncio.create_task(_complete(client, live.keys["crowd"], live.model, 200)) for _ in range(4)]
             # The flood must be in the engine (both seats held, the rest queued)
             # before premium arrives; on a loaded machine that takes a while.
             for _ in range(600):
