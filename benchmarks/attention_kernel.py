@@ -16,14 +16,13 @@ needs a CUDA GPU; elsewhere only the torch backend is timed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+from machine import write_json
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
@@ -168,10 +167,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     result = run(getattr(torch, args.dtype), args.warmup, args.iters)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

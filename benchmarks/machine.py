@@ -82,3 +82,14 @@ class CpuMeter:
             # Clamped: the two clocks tick at different granularities.
             out["other_cores"] = round(max(0.0, (busy - self.busy0 - own) / wall), 2)
         return out
+
+
+def write_json(result: dict, path, *, indent: int = 2) -> None:
+    """Write a benchmark's result, creating its folder; print where it went."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=indent))
+    print(f"wrote {path}")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from machine import load_average, machine_facts
+from machine import load_average, machine_facts, write_json
 from throughput import forced_params, make_workload
 
 TARGETS = {"lora32_vs_base": 0.85, "lora32_vs_peft": 10.0}
@@ -172,10 +172,7 @@ def main() -> None:
     result["targets"] = TARGETS
     result["load_after"] = load_average()
     print(json.dumps({"ratios": result["ratios"], "targets": TARGETS}, indent=2))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import json
 import random
 import statistics
 
-from machine import CpuMeter, load_average, machine_facts
+from machine import CpuMeter, load_average, machine_facts, write_json
 
 TARGET_SPEEDUP = 10.0
 
@@ -127,10 +126,7 @@ def main() -> None:
           f"other processes {result['cpu'].get('other_cores')} cores")
 
     out = args.out or f"benchmarks/results/prefix_cache-{args.dtype}.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {out}")
+    write_json(result, out)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ each number is the median of the rounds.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import time
@@ -43,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from machine import write_json
 
 from adapters.ops import LoraOps, SGMVMeta, build_sgmv_meta, get_lora_ops
 
@@ -229,10 +228,7 @@ def main() -> None:
             result["cases"][f"{batch}_r{rank}"] = run_case(
                 batch, rank, dtype, device, backends, args.warmup, args.rounds
             )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

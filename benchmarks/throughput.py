@@ -41,14 +41,13 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import json
 import random
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-from machine import CpuMeter, load_average, machine_facts
+from machine import CpuMeter, load_average, machine_facts, write_json
 from roofline import LinearRoofline
 
 TARGETS = {"output_vs_hf": 4.0, "processed_vs_roofline": 0.70, "kv_unused_at_peak": 0.04}
@@ -333,10 +332,7 @@ def main() -> None:
     print_report(result)
 
     out = args.out or f"benchmarks/results/throughput-{args.dtype}.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {out}")
+    write_json(result, out)
 
 
 if __name__ == "__main__":

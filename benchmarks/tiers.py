@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import time
 from pathlib import Path
 
 from loadgen import GatewayProcess, Sample, Stream, closed_loop, open_loop
-from machine import load_average, machine_facts
+from machine import load_average, machine_facts, write_json
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -188,10 +187,9 @@ def main() -> None:
     results = [run_mode(args, tiers_on=(m == "on")) for m in args.modes.split(",")]
     out = {"benchmark": "tiers", "args": {k: str(v) for k, v in vars(args).items()},
            "machine": machine_facts(), "wall_s": round(time.time() - started, 1), "modes": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_json(out, args.out, indent=1)
     plot(results, args.plot)
-    print(f"wrote {args.out} and {args.plot}")
+    print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":
