@@ -5,8 +5,8 @@ At the start of a step the runner hands `begin_step` its scheduled requests.
 The adapters they name are put into device slots, the requests are ordered
 by slot (so each adapter's tokens form one segment) and the segment metadata
 is built once. Every packed projection of the model then calls its hook,
-which adds that step's deltas: one shrink over the stacked A matrices and one
-expand per slice. A step without adapter tokens costs one check per
+which adds that step's deltas with one `apply`: a shrink over the stacked A
+matrices and an expand per slice, fused where the backend can. A step without adapter tokens costs one check per
 projection.
 """
 
@@ -64,6 +64,4 @@ class _LoraHook:
         if meta is None:
             return
         stack = self.stack
-        y = torch.empty(x.shape[0], stack.lora_a.shape[1], dtype=x.dtype, device=x.device)
-        self.runtime.ops.shrink(x, stack.lora_a, meta, y)
-        self.runtime.ops.expand_slices(y, stack.lora_b, meta, out, stack.offsets)
+        self.runtime.ops.apply(x, stack.lora_a, stack.lora_b, meta, out, stack.offsets)

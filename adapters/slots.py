@@ -45,9 +45,16 @@ class LoraStack:
     """One packed projection's LoRA weights for every slot."""
 
     lora_a: torch.Tensor  # [num_slots, n * R, in_features]
-    lora_b: list[torch.Tensor]  # n of [num_slots, out_i, R]
+    lora_b: list[torch.Tensor]  # n of [num_slots, out_i, R]; maybe a view of rank-major memory
     offsets: list[int]  # first output column of each slice in the packed output
     modules: tuple[str, ...]  # the HF module of each slice
+
+
+def _b_stack(slots: int, out: int, rank: int, dtype, device, rank_major: bool) -> torch.Tensor:
+    """A zeroed [slots, out, rank] B stack; rank-major underneath if asked."""
+    if rank_major:
+        return torch.zeros(slots, rank, out, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(slots, out, rank, dtype=dtype, device=device)
 
 
 class LoraSlotManager:
@@ -61,6 +68,7 @@ class LoraSlotManager:
         load_fn: Callable[[Hashable], object],  # adapter key -> LoraWeights (host, float32)
         dtype: torch.dtype,
         device: torch.device,
+        rank_major_b: bool = False,  # the ops backend's wish (LoraOps.rank_major_b)
     ):
         self.max_loras = max_loras
         self.rank = max_lora_rank
@@ -72,7 +80,7 @@ class LoraSlotManager:
             self.stacks[(layer, name)] = LoraStack(
                 lora_a=torch.zeros(max_loras, len(slices) * max_lora_rank, linear.weight.shape[1],
                                    dtype=dtype, device=device),
-                lora_b=[torch.zeros(max_loras, linear.sizes[s], max_lora_rank, dtype=dtype, device=device)
+                lora_b=[_b_stack(max_loras, linear.sizes[s], max_lora_rank, dtype, device, rank_major_b)
                         for s in slices],
                 offsets=[linear.offsets[s] for s in slices],
                 modules=PACKED_MODULES[name],

@@ -71,6 +71,12 @@ def assign(num_requests: int, names: list[str], zipf: bool, seed: int) -> list[s
 
 def run_engine(llm, workload, adapters: list[str | None]) -> dict:
     engine = llm.engine
+    # Every phase serves the same prompts: without this, a phase would hit the
+    # KV blocks an earlier phase cached under the same adapter (the second base
+    # run hit all of the first's) and skip its prefill.
+    kv = engine.scheduler.kv
+    assert kv.reset_prefix_cache()
+    hits_before = kv.prefix_hits
     t0 = time.perf_counter()
     for prompt, n, adapter in zip(workload.prompts, workload.output_lens, adapters):
         engine.add_request(prompt, forced_params(n), adapter=adapter)
@@ -82,7 +88,7 @@ def run_engine(llm, workload, adapters: list[str | None]) -> dict:
     slots = engine.lora_slots
     return {"wall_s": round(wall, 2), "output_tok_s": round(workload.output_tokens / wall, 1),
             "processed_tok_s": round((workload.prompt_tokens + workload.output_tokens) / wall, 1),
-            "steps": steps, "slot_loads": slots.num_loads if slots else 0,
+            "steps": steps, "prefix_hit_tokens": kv.prefix_hits - hits_before, "slot_loads": slots.num_loads if slots else 0,
             "slot_evictions": slots.num_evictions if slots else 0}
 
 

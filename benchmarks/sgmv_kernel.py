@@ -23,8 +23,9 @@ Variants of each group, all adding the LoRA delta into the group's output:
                 expand over a block-diagonal B built ahead: a single matmul
                 per segment, at n times the B memory
 
-The torch backend is always timed; the Triton kernels need a CUDA GPU and
-are timed only there. All variants run in the same process, on the same
+The torch twin is always timed; the Triton kernels need a CUDA GPU and are
+timed only there, the C++ CPU kernel (`cpu`, whose calls are each a whole
+projection) only without one. All variants run in the same process, on the same
 inputs, interleaved round by round (so a noisy neighbour hits them alike);
 each number is the median of the rounds.
 
@@ -118,12 +119,28 @@ def variants(ops: LoraOps, g: Group, meta: SGMVMeta, rank: int) -> dict[str, Cal
         ops.shrink(g.x, g.lora_a_stacked, meta, y_all)
         ops.expand(y_all, g.lora_b_blockdiag, meta, g.out, 0)
 
+    if ops.rank_major_b:  # the CPU kernel: every call is a whole projection (`apply`)
+        return _apply_variants(ops, g, meta, rank)
     found = {"sgmv": sgmv}
     if n > 1:
         found["sgmv_fused"] = fused
         if ops.name == "torch":
             found["fused_blockdiag"] = blockdiag
     return found
+
+
+def _apply_variants(ops: LoraOps, g: Group, meta: SGMVMeta, rank: int) -> dict[str, Callable[[], None]]:
+    """sgmv: one `apply` per slice; sgmv_fused: one over the stacked A."""
+    lora_b = [b.transpose(1, 2).contiguous().transpose(1, 2) for b in g.lora_b]  # rank-major memory
+
+    def sgmv() -> None:
+        for a, b, off in zip(g.lora_a, lora_b, g.offsets):
+            ops.apply(g.x, a, [b], meta, g.out, [off])
+
+    def fused() -> None:
+        ops.apply(g.x, g.lora_a_stacked, lora_b, meta, g.out, g.offsets)
+
+    return {"sgmv": sgmv, "sgmv_fused": fused} if len(lora_b) > 1 else {"sgmv": sgmv}
 
 
 def time_interleaved(fns: dict[str, Callable[[], None]], cuda: bool, warmup: int, rounds: int) -> dict[str, float]:
@@ -214,7 +231,8 @@ def main() -> None:
     if device.type == "cuda":
         backends["triton"] = get_lora_ops("triton", device)
     else:
-        print("no CUDA device: the Triton kernels need a GPU to be timed; timing the torch twin only")
+        backends["cpu"] = get_lora_ops("cpu", device)
+        print("no CUDA device: the Triton kernels need a GPU to be timed; timing the torch twin and the CPU kernel")
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch_threads": torch.get_num_threads(),

@@ -107,9 +107,10 @@ def _build_lora(config: EngineConfig, loaded, dtype: torch.dtype, device: torch.
     registry = AdapterRegistry(Path(config.data_dir) / "adapters" if config.data_dir else None,
                                base_config=loaded.hf_config, max_lora_rank=config.max_lora_rank)
     packed = loaded.model.packed_linears()
+    ops = get_lora_ops(config.lora_backend, device)
     slots = LoraSlotManager(packed, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                             max_cpu_loras=config.max_cpu_loras, load_fn=registry.load_key,
-                            dtype=dtype, device=device)
-    runtime = LoraRuntime(slots, get_lora_ops(config.lora_backend, device), device)
+                            dtype=dtype, device=device, rank_major_b=ops.rank_major_b)
+    runtime = LoraRuntime(slots, ops, device)
     runtime.attach(packed)
     return runtime, registry

@@ -14,6 +14,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """A machine where C++ kernels cannot be built (no compiler, no ninja):
+    torch's load_inline raises, as it does there."""
+    import torch.utils.cpp_extension
+
+    def fail(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", fail)
+
+
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct as a safetensors checkpoint

@@ -24,6 +24,12 @@ def _torch_ops() -> LoraOps:
     return TorchLoraOps()
 
 
+def _cpu_ops() -> LoraOps:
+    from adapters.ops.cpu_ops import CpuLoraOps
+
+    return CpuLoraOps()
+
+
 def _triton_ops() -> LoraOps:
     from adapters.ops.triton_ops import TritonLoraOps
 
@@ -32,14 +38,16 @@ def _triton_ops() -> LoraOps:
 
 LORA_OPS: dict[str, Callable[[], LoraOps]] = {
     "torch": _torch_ops,
+    "cpu": _cpu_ops,
     "triton": _triton_ops,
 }
 
 
 def get_lora_ops(name: str, device: torch.device | str) -> LoraOps:
-    """ "auto" is "triton" on CUDA and "torch" everywhere else."""
+    """ "auto" is "triton" on CUDA and "cpu" (the C++ kernel, or the torch
+    twin where it cannot be built) everywhere else."""
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        name = "triton" if torch.device(device).type == "cuda" else "cpu"
     factory = LORA_OPS.get(name)
     if factory is None:
         choices = ", ".join(["auto", *LORA_OPS])

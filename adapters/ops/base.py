@@ -43,6 +43,9 @@ class LoraOps(ABC):
     """
 
     name: str = "abstract"
+    # Whether this backend wants each B stack stored rank-major ([num_slots,
+    # R, H_out] memory, passed as its [num_slots, H_out, R] transposed view).
+    rank_major_b: bool = False
 
     @abstractmethod
     def shrink(
@@ -76,6 +79,21 @@ class LoraOps(ABC):
         for i, (lora_b, offset) in enumerate(zip(lora_b_slices, offsets)):
             self.expand(y[:, i * rank : (i + 1) * rank], lora_b, meta, out, offset)
 
+    def apply(
+        self,
+        x: torch.Tensor,  # [T, H_in]
+        lora_a: torch.Tensor,  # [num_slots, n * R, H_in]
+        lora_b_slices: Sequence[torch.Tensor],  # n of [num_slots, H_out_i, R]
+        meta: SGMVMeta,
+        out: torch.Tensor,  # [T, H_total], x's dtype; added into in place
+        offsets: Sequence[int],  # n first columns in out
+    ) -> None:
+        """A whole LoRA projection: `shrink`, then `expand_slices`. A backend
+        may fuse them (the intermediate never needs to leave the kernel)."""
+        y = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype, device=x.device)
+        self.shrink(x, lora_a, meta, y)
+        self.expand_slices(y, lora_b_slices, meta, out, offsets)
+
 
 def check_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: SGMVMeta, out: torch.Tensor) -> None:
     assert x.dim() == 2 and lora_a.dim() == 3 and out.dim() == 2, (x.shape, lora_a.shape, out.shape)
@@ -106,3 +124,4 @@ def check_slices(y: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], offsets
     assert all(b.shape[2] == rank for b in lora_b_slices), [tuple(b.shape) for b in lora_b_slices]
     assert y.shape[1] == rank * len(lora_b_slices), (y.shape, rank, len(lora_b_slices))
     return rank
+

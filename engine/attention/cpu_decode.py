@@ -16,82 +16,30 @@ load); results match SDPA to float32 rounding, not bit for bit.
 
 The torch twin is `TorchAttentionBackend`'s bucketed SDPA path, which the
 backend falls back to where this kernel cannot be built (no C++ compiler) or
-is turned off (LORAGW_CPU_DECODE_KERNEL=0). Building takes ~30 s once; the
-library is cached by torch.utils.cpp_extension under a name keyed by the
-source and the host CPU (it is built with -march=native).
+is turned off (LORAGW_CPU_DECODE_KERNEL=0). How it is built and cached:
+engine/native.py.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
 
 import torch
 
-log = logging.getLogger(__name__)
+from engine import native
 
 ENV_SWITCH = "LORAGW_CPU_DECODE_KERNEL"
 _DTYPES = (torch.float32, torch.bfloat16)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
+_SOURCE = native.VECTOR_HELPERS + r"""
 #include <cmath>
-#include <cstring>
 #include <limits>
-#include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int kMaxChunks = 16;  // head_dim <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int64_t kPrefetch = 2 * kLanes;  // positions ahead to prefetch
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-inline f32x16 pair_add(f32x16 x, f32x16 y, i32x16 lo, i32x16 hi) {
-  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
-}
-
-// Lane i of the result is the sum of the 16 lanes of a[i]: a transpose-add
-// tree, 15 adds for 16 dot products instead of 16 horizontal reductions.
-inline f32x16 sum_each(f32x16* a) {
-  const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const i32x16 lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const i32x16 hi3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  const i32x16 lo4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i32x16 hi4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  f32x16 b[8], c[4], d[2];
-  for (int k = 0; k < 8; ++k) b[k] = pair_add(a[2 * k], a[2 * k + 1], lo1, hi1);
-  for (int k = 0; k < 4; ++k) c[k] = pair_add(b[2 * k], b[2 * k + 1], lo2, hi2);
-  for (int k = 0; k < 2; ++k) d[k] = pair_add(c[2 * k], c[2 * k + 1], lo3, hi3);
-  return pair_add(d[0], d[1], lo4, hi4);
-}
 
 struct Seqs {  // the decode sequences of a step and where their context lives
   const int64_t* rows;     // [n] token row of each sequence in the flat batch
@@ -261,24 +209,12 @@ void decode_values(torch::Tensor out, torch::Tensor probs, torch::Tensor v_cache
 """
 
 _FUNCTIONS = ["decode_scores", "decode_values"]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def _cpu_fingerprint() -> str:
-    """The host CPU's model and flags: a -march=native build is only valid on its own CPU."""
-    text = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text += "".join(line for line in f if line.startswith(("model name", "flags")))
-    except OSError:
-        pass
-    return text
 
 
 def load_kernel():
     """The compiled extension, or None where it cannot be had (switched off,
     no compiler, a build error): callers fall back to the torch path."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if native.switched_off(ENV_SWITCH):
         return None
     return _build()
 
@@ -286,17 +222,7 @@ def load_kernel():
 @functools.lru_cache(maxsize=1)
 def _build():
     """Builds (or finds already built) and loads the extension, once per process."""
-    key = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + _cpu_fingerprint()).encode()).hexdigest()[:12]
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name=f"loragw_cpu_decode_{key}", cpp_sources=_SOURCE, functions=_FUNCTIONS,
-            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
-        )
-    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-        log.warning("CPU decode attention kernel unavailable (%s); using the torch path", exc)
-        return None
+    return native.build_inline("loragw_cpu_decode", _SOURCE, _FUNCTIONS, "CPU decode attention kernel")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -4,7 +4,8 @@ One mixed batch holds requests for every adapter plus base-model requests;
 each request's tokens must equal `PeftModel.generate` for that request on its
 own. Float32, on the tiny random Llama and on the real SmolLM2. The
 adapters differ in rank, use rsLoRA and rank/alpha patterns, and target
-different modules; with max_loras=2 the slots churn mid-run.
+different modules; with max_loras=2 the slots churn mid-run. The CPU runs
+both LoRA backends: the C++ kernel and its torch twin.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def _peft_reference(model_dir, dirs, requests) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])
-def test_mixed_batch_matches_peft(setup, max_loras):
+# "cpu" is the C++ kernel (the CPU default), "torch" its twin.
+@pytest.mark.parametrize("max_loras,backend", [(4, "cpu"), (2, "cpu"), (4, "torch")])
+def test_mixed_batch_matches_peft(setup, max_loras, backend):
     model_dir, root, dirs, requests, expected = setup
-    llm = LLM(str(model_dir), data_dir=str(root / f"registry-{max_loras}"), max_loras=max_loras,
-              max_lora_rank=16)
+    llm = LLM(str(model_dir), data_dir=str(root / f"registry-{max_loras}-{backend}"), max_loras=max_loras,
+              max_lora_rank=16, lora_backend=backend)
     for name, path in dirs.items():
         llm.adapters.import_dir(name, path)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -83,5 +85,8 @@ def test_mixed_batch_matches_peft(setup, max_loras):
     for name in ADAPTERS:
         assert any(g != base[p] for (p, a), g in zip(requests, got) if a == name), name
     slots = llm.engine.lora_slots
+    # The kernel's stacks are rank-major, the twin's are not: each backend got its own layout.
+    b_stack = next(iter(slots.stacks.values())).lora_b[0]
+    assert b_stack.is_contiguous() == (backend == "torch")
     if max_loras == 2:
         assert slots.num_evictions > 0

@@ -78,12 +78,18 @@ class Stack:
 
 
 def make_stack(
-    h_in: int, h_out: int, ranks: list[int], max_rank: int, dtype: torch.dtype, gen: torch.Generator
+    h_in: int, h_out: int, ranks: list[int], max_rank: int, dtype: torch.dtype, gen: torch.Generator,
+    rank_major_b: bool = False,
 ) -> Stack:
-    """Slot i has rank ranks[i]; values of order 1 after each product."""
+    """Slot i has rank ranks[i]; values of order 1 after each product. With
+    rank_major_b, B is the [num_slots, H_out, R] view of [num_slots, R, H_out]
+    memory, as the slot manager stores it for the CPU kernel."""
     a, b = {}, {}
     lora_a = torch.zeros(len(ranks), max_rank, h_in, dtype=dtype)
-    lora_b = torch.zeros(len(ranks), h_out, max_rank, dtype=dtype)
+    if rank_major_b:
+        lora_b = torch.zeros(len(ranks), max_rank, h_out, dtype=dtype).transpose(1, 2)
+    else:
+        lora_b = torch.zeros(len(ranks), h_out, max_rank, dtype=dtype)
     for slot, r in enumerate(ranks):
         a[slot] = (torch.randn(r, h_in, generator=gen) / h_in**0.5).to(dtype)
         b[slot] = (torch.randn(h_out, r, generator=gen) / r**0.5).to(dtype)
@@ -340,7 +346,8 @@ def test_meta_rejects_bad_input(counts, slots):
 
 def test_registry_picks_backends():
     assert get_lora_ops("torch", "cpu").name == "torch"
-    assert get_lora_ops("auto", "cpu").name == "torch"
+    assert get_lora_ops("cpu", "cpu").name == "cpu"
+    assert get_lora_ops("auto", "cpu").name == "cpu"
     with pytest.raises(ValidationError):
         get_lora_ops("cutlass", "cpu")
 

@@ -7,6 +7,7 @@ import torch
 from engine.attention import cpu_decode
 from engine.attention.torch_backend import TorchAttentionBackend
 from tests.engine.attention.test_backends import SCENARIOS, check_backend, make_case
+from tests.native import built_or_skip
 
 DECODE_HEAVY = ["decode_varied_lengths", "mixed", "skew_1_long_7_short", "skew_7_long_1_short", "long_context"]
 # Decode rows over contexts past several 16-position chunks and blocks.
@@ -15,10 +16,7 @@ LONG_DECODES = [(700, 1), (33, 1), (257, 1), (16, 1), (1, 1), (480, 64)]
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = cpu_decode.load_kernel()
-    if built is None:
-        pytest.skip("the CPU decode kernel cannot be built here (no C++ compiler, or switched off)")
-    return built
+    return built_or_skip(cpu_decode.load_kernel, "CPU decode kernel")
 
 
 def _backend(path: str) -> TorchAttentionBackend:
@@ -82,15 +80,9 @@ def test_switched_off_by_environment(monkeypatch):
     check_backend(TorchAttentionBackend(), make_case(SCENARIOS["mixed"], head_dim=32, seed=3))
 
 
-def test_a_failed_build_falls_back_to_the_twin(monkeypatch, caplog):
+def test_a_failed_build_falls_back_to_the_twin(no_compiler, monkeypatch, caplog):
     """No compiler or no ninja (a bare CI image): the build raises inside
     load_inline; the backend logs it once and serves decodes with the twin."""
-    import torch.utils.cpp_extension
-
-    def no_compiler(**kwargs):
-        raise RuntimeError("Ninja is required to load C++ extensions")
-
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
     assert cpu_decode._build.__wrapped__() is None
     assert "unavailable" in caplog.text
 

@@ -1,0 +1,120 @@
+"""Building the engine's small C++ CPU kernels.
+
+Each kernel is one C++ source string compiled on first use by
+torch.utils.cpp_extension (which needs a C++ compiler and ninja) and cached
+by it. The cache name is keyed by the source, the flags and the host CPU,
+because the kernels are built with -march=native and such a library is only
+valid on the CPU it was built for. Building takes ~30 s once per kernel.
+
+Every kernel has a torch twin that serves when the build fails or its
+environment switch is "0"; callers get None here and fall back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+
+log = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+# Shared by the kernels' sources, which start with it: 16-lane float32
+# vectors (GCC vector extensions; the compiler maps them onto AVX-512, or
+# pairs of AVX2 registers), loads that widen bfloat16 and stores that round
+# to it, and a horizontal sum of 16 vectors at once.
+VECTOR_HELPERS = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline void store16(c10::BFloat16* p, f32x16 v) {  // rounds to nearest even, as torch does
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
+}
+
+inline f32x16 pair_add(f32x16 x, f32x16 y, i32x16 lo, i32x16 hi) {
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// Lane i of the result is the sum of the 16 lanes of a[i]: a transpose-add
+// tree, 15 adds for 16 dot products instead of 16 horizontal reductions.
+inline f32x16 sum_each(f32x16* a) {
+  const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const i32x16 lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const i32x16 hi3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const i32x16 lo4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 hi4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  f32x16 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k) b[k] = pair_add(a[2 * k], a[2 * k + 1], lo1, hi1);
+  for (int k = 0; k < 4; ++k) c[k] = pair_add(b[2 * k], b[2 * k + 1], lo2, hi2);
+  for (int k = 0; k < 2; ++k) d[k] = pair_add(c[2 * k], c[2 * k + 1], lo3, hi3);
+  return pair_add(d[0], d[1], lo4, hi4);
+}
+
+}  // namespace
+"""
+
+
+def cpu_fingerprint() -> str:
+    """The host CPU's model and flags."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text += "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    return text
+
+
+def switched_off(env_switch: str) -> bool:
+    return os.environ.get(env_switch, "1") == "0"
+
+
+def build_inline(prefix: str, source: str, functions: list[str], what: str):
+    """The compiled extension module, or None (logged) when it cannot be built."""
+    key = hashlib.sha256((source + " ".join(CFLAGS) + cpu_fingerprint()).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name=f"{prefix}_{key}", cpp_sources=source, functions=functions,
+            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch twin
+        log.warning("%s unavailable (%s); using the torch path", what, exc)
+        return None
