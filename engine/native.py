@@ -12,6 +12,7 @@ environment switch is "0"; callers get None here and fall back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -24,7 +25,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Shared by the kernels' sources, which start with it: 16-lane float32
 # vectors (GCC vector extensions; the compiler maps them onto AVX-512, or
 # pairs of AVX2 registers), loads that widen bfloat16 and stores that round
-# to it, and a horizontal sum of 16 vectors at once.
+# to it, a horizontal sum of 16 vectors at once, and the register-tiled dot
+# products of a few rows against many (the LoRA shrink, the skinny linear).
 VECTOR_HELPERS = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -86,6 +88,41 @@ inline f32x16 sum_each(f32x16* a) {
   return pair_add(d[0], d[1], lo4, hi4);
 }
 
+// y[j * y_stride + k] = x_j . w_k for JB rows of x (x_stride apart) and the
+// nk rows of w ([nk, k_dim], rows contiguous), in float32, rounded to O on
+// store. Register tiles of JB rows x KT w rows: a tile past nk repeats w's
+// last row (from L1) and drops the result, so the loops keep fixed bounds
+// and the JB * KT = 16 accumulators stay in registers.
+template <typename T, int JB, int KT, typename O>
+void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t nk, int64_t k_dim, O* y, int64_t y_stride) {
+  static_assert(JB * KT == kLanes, "one sum_each per tile");
+  const int64_t full = k_dim / kLanes * kLanes;
+  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
+    const T* wr[KT];
+    for (int kk = 0; kk < KT; ++kk) wr[kk] = w + std::min<int64_t>(k0 + kk, nk - 1) * k_dim;
+    f32x16 acc[kLanes] = {};
+    for (int64_t h = 0; h < full; h += kLanes) {
+      f32x16 wv[KT];
+      for (int kk = 0; kk < KT; ++kk) wv[kk] = load16(wr[kk] + h);
+      for (int jj = 0; jj < JB; ++jj) {
+        const f32x16 xv = load16(x + jj * x_stride + h);
+        for (int kk = 0; kk < KT; ++kk) acc[jj * KT + kk] += xv * wv[kk];
+      }
+    }
+    const f32x16 sums = sum_each(acc);
+    float lanes[kLanes];
+    std::memcpy(lanes, &sums, sizeof lanes);
+    for (int jj = 0; jj < JB; ++jj) {
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) {
+        float v = lanes[jj * KT + kk];
+        for (int64_t h = full; h < k_dim; ++h)
+          v += static_cast<float>(x[jj * x_stride + h]) * static_cast<float>(wr[kk][h]);
+        y[jj * y_stride + k0 + kk] = static_cast<O>(v);
+      }
+    }
+  }
+}
+
 }  // namespace
 """
 
@@ -118,3 +155,27 @@ def build_inline(prefix: str, source: str, functions: list[str], what: str):
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch twin
         log.warning("%s unavailable (%s); using the torch path", what, exc)
         return None
+
+
+class Kernel:
+    """One C++ kernel: built (or found in torch's cache) on the first `load`,
+    then kept for the life of the process."""
+
+    def __init__(self, prefix: str, source: str, functions: list[str], what: str, env_switch: str):
+        self.prefix, self.source, self.functions, self.what = prefix, source, functions, what
+        self.env_switch = env_switch
+
+    def load(self):
+        """The extension module, or None where it cannot be had (switched
+        off, no compiler, a build error): callers fall back to the torch twin."""
+        if switched_off(self.env_switch):
+            return None
+        return self._cached_build()
+
+    def build(self):
+        """Builds now, bypassing the per-process cache."""
+        return build_inline(self.prefix, self.source, self.functions, self.what)
+
+    @functools.cache  # noqa: B019 - one Kernel per module, alive as long as the process
+    def _cached_build(self):
+        return self.build()

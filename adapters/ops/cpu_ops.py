@@ -23,7 +23,8 @@ Work is split into items of up to TOKEN_BLOCK tokens of one segment, run on
 torch's intra-op threads. Within an item:
 
   shrink  y[j, k] = x[j] . A_s[k], in float32, in register tiles of
-          4 tokens x 4 rank rows (1 x 16 for single tokens: decodes);
+          4 tokens x 4 rank rows (1 x 16 for single tokens: decodes),
+          by `dot_rows` (engine/native.py, shared with the linear kernel);
   expand  out[j, off_i + c] += sum_r y[j, i*R + r] * B_i,s[r, c], 16
           columns at a time, the out rows read and written once.
 
@@ -32,8 +33,6 @@ hold this kernel to, next to the naive per-token loop.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -48,40 +47,6 @@ _SOURCE = native.VECTOR_HELPERS + r"""
 namespace {
 
 constexpr int64_t kTokenBlock = """ + str(TOKEN_BLOCK) + r""";
-
-// y[j, k] = x_j . a_k for JB token rows of x and every one of the nk rank
-// rows of a ([nk, h_in]), in tiles of KT rows. A tile past nk repeats the
-// last row (from L1) and drops the result, so the loops keep fixed bounds
-// and the JB * KT = 16 accumulators stay in registers.
-template <typename T, int JB, int KT>
-void shrink_rows(const T* x, int64_t x_stride, const T* a, int64_t nk, int64_t h_in, float* y) {
-  static_assert(JB * KT == kLanes, "one sum_each per tile");
-  const int64_t full = h_in / kLanes * kLanes;
-  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
-    const T* ar[KT];
-    for (int kk = 0; kk < KT; ++kk) ar[kk] = a + std::min<int64_t>(k0 + kk, nk - 1) * h_in;
-    f32x16 acc[kLanes] = {};
-    for (int64_t h = 0; h < full; h += kLanes) {
-      f32x16 av[KT];
-      for (int kk = 0; kk < KT; ++kk) av[kk] = load16(ar[kk] + h);
-      for (int jj = 0; jj < JB; ++jj) {
-        const f32x16 xv = load16(x + jj * x_stride + h);
-        for (int kk = 0; kk < KT; ++kk) acc[jj * KT + kk] += xv * av[kk];
-      }
-    }
-    const f32x16 sums = sum_each(acc);
-    float lanes[kLanes];
-    std::memcpy(lanes, &sums, sizeof lanes);
-    for (int jj = 0; jj < JB; ++jj) {
-      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) {
-        float v = lanes[jj * KT + kk];
-        for (int64_t h = full; h < h_in; ++h)
-          v += static_cast<float>(x[jj * x_stride + h]) * static_cast<float>(ar[kk][h]);
-        y[jj * nk + k0 + kk] = v;
-      }
-    }
-  }
-}
 
 // out_j[c] += sum_r y_j[r] * b[r * ldb + c] for JB rows, c < n_out. The sum
 // starts from out's value and is rounded to T once.
@@ -129,8 +94,8 @@ void apply_impl(const T* x, int64_t x_stride, const T* a, int64_t a_slot_stride,
       const T* xs = x + it.start * x_stride;
       const T* as = a + it.slot * a_slot_stride;
       int64_t j = 0;
-      for (; j + 4 <= it.count; j += 4) shrink_rows<T, 4, 4>(xs + j * x_stride, x_stride, as, nk, h_in, &y[j * nk]);
-      for (; j < it.count; ++j) shrink_rows<T, 1, 16>(xs + j * x_stride, x_stride, as, nk, h_in, &y[j * nk]);
+      for (; j + 4 <= it.count; j += 4) dot_rows<T, 4, 4>(xs + j * x_stride, x_stride, as, nk, h_in, &y[j * nk], nk);
+      for (; j < it.count; ++j) dot_rows<T, 1, 16>(xs + j * x_stride, x_stride, as, nk, h_in, &y[j * nk], nk);
       for (size_t si = 0; si < slices.size(); ++si) {
         const Slice& sl = slices[si];
         const T* bs = static_cast<const T*>(sl.b) + it.slot * sl.slot_stride;
@@ -204,16 +169,8 @@ bool lora_apply(const torch::Tensor& x, const torch::Tensor& lora_a, const std::
 """
 
 
-def load_kernel():
-    """The compiled extension, or None (switched off, or it cannot be built)."""
-    if native.switched_off(ENV_SWITCH):
-        return None
-    return _build()
-
-
-@functools.lru_cache(maxsize=1)
-def _build():
-    return native.build_inline("loragw_cpu_lora", _SOURCE, ["lora_apply"], "CPU LoRA kernel")
+_KERNEL = native.Kernel("loragw_cpu_lora", _SOURCE, ["lora_apply"], "CPU LoRA kernel", ENV_SWITCH)
+load_kernel = _KERNEL.load
 
 
 class CpuLoraOps(TorchLoraOps):

@@ -22,8 +22,6 @@ engine/native.py.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine import native
@@ -208,21 +206,9 @@ void decode_values(torch::Tensor out, torch::Tensor probs, torch::Tensor v_cache
 }
 """
 
-_FUNCTIONS = ["decode_scores", "decode_values"]
-
-
-def load_kernel():
-    """The compiled extension, or None where it cannot be had (switched off,
-    no compiler, a build error): callers fall back to the torch path."""
-    if native.switched_off(ENV_SWITCH):
-        return None
-    return _build()
-
-
-@functools.lru_cache(maxsize=1)
-def _build():
-    """Builds (or finds already built) and loads the extension, once per process."""
-    return native.build_inline("loragw_cpu_decode", _SOURCE, _FUNCTIONS, "CPU decode attention kernel")
+_KERNEL = native.Kernel("loragw_cpu_decode", _SOURCE, ["decode_scores", "decode_values"],
+                        "CPU decode attention kernel", ENV_SWITCH)
+load_kernel = _KERNEL.load
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import ModelLoadError
+from engine.model import cpu_linear
 from engine.model.rope import RotaryEmbedding, apply_rotary, head_dim_of
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -96,12 +97,14 @@ class PackedLinear(nn.Module):
         self.weight = _empty((total, in_features), dtype, device)
         self.bias = _empty((total,), dtype, device) if bias else None
         self.param_names = ("weight", "bias") if bias else ("weight",)
+        # Decode steps (a few rows) go to the C++ skinny kernel on the CPU.
+        self.cpu_linear = cpu_linear.load_kernel() if device.type == "cpu" else None
         # Set by the engine builder when LoRA is on: adds the step's
         # per-token adapter deltas into the output, hook(x, out).
         self.lora_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
-        out = F.linear(x, self.weight, self.bias)
+        out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias)
         if self.lora_hook is not None:
             self.lora_hook(x, out)
         return out
@@ -214,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _empty((config.vocab_size, config.hidden_size), dtype, self.device)
+        self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
 
     def forward(
         self,
@@ -246,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
-            return F.linear(hidden, self.lm_head).float()
+            return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head).float()
 
     # ---- weights -------------------------------------------------------
 

@@ -16,7 +16,7 @@ from adapters.ops.cpu_ops import CpuLoraOps
 from adapters.ops.torch_ops import TorchLoraOps
 from tests.adapters.ops.naive import naive_expand, naive_shrink, per_token_slots
 from tests.adapters.ops.test_sgmv import BATCHES, HIDDEN, INTERMEDIATE, KV_WIDTH, TOLERANCE, make_stack
-from tests.native import built_or_skip
+from tests.native import built_or_skip, recording
 
 PACKED = {  # SmolLM2-135M's packed projections: H_in, the slices' widths
     "qkv": (HIDDEN, [HIDDEN, KV_WIDTH, KV_WIDTH]),
@@ -115,20 +115,9 @@ def test_a_batch_without_adapters_is_left_alone(kernel):
     assert torch.equal(out, before)
 
 
-class _Recording:
-    """The real kernel, noting whether it handled each call (False: the twin did)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.handled = kernel, []
-
-    def lora_apply(self, *args):
-        self.handled.append(self.kernel.lora_apply(*args))
-        return self.handled[-1]
-
-
 @pytest.mark.parametrize("case", ["supported", "b_not_rank_major", "float16", "x_rows_strided"])
 def test_unsupported_tensors_take_the_torch_twin(kernel, case):
-    ops = CpuLoraOps(_Recording(kernel))
+    ops = CpuLoraOps(recording(kernel, "lora_apply"))
     gen = torch.Generator().manual_seed(7)
     dtype = torch.float16 if case == "float16" else torch.float32
     stack = make_stack(HIDDEN, KV_WIDTH, [8, 16, 8], 16, dtype, gen, rank_major_b=case != "b_not_rank_major")
@@ -176,7 +165,7 @@ def test_switched_off_by_environment(monkeypatch):
 
 
 def test_a_failed_build_falls_back_to_the_twin(no_compiler, monkeypatch, caplog):
-    assert cpu_ops._build.__wrapped__() is None
+    assert cpu_ops._KERNEL.build() is None
     assert "CPU LoRA kernel unavailable" in caplog.text
 
     monkeypatch.setattr(cpu_ops, "load_kernel", lambda: None)

@@ -1,0 +1,95 @@
+"""The skinny C++ linear kernel against a float64 reference, and the ways
+`cpu_linear.linear` hands work back to torch's F.linear (its twin)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import cpu_linear
+from tests.native import built_or_skip, recording
+
+HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960  # SmolLM2-135M
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return built_or_skip(cpu_linear.load_kernel, "CPU linear kernel")
+
+
+def _case(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    return x, w, b, expected
+
+
+# Rows: single tokens, 4-row tiles and their remainders, up to MAX_ROWS.
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, cpu_linear.MAX_ROWS])
+@pytest.mark.parametrize("shape", [(QKV, HIDDEN), (HIDDEN, INTERMEDIATE), (2 * INTERMEDIATE, HIDDEN)],
+                         ids=["qkv", "down", "gate_up"])
+def test_smollm2_shapes_match_the_reference(kernel, rows, shape):
+    x, w, _, expected = _case(rows, *shape, torch.float32, seed=rows)
+    rec = recording(kernel, "skinny_linear")
+    got = cpu_linear.linear(rec, x, w)
+    assert rec.handled == [True]
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_widths_off_the_vector_grid_with_bias(kernel, dtype, tol):
+    """Neither K nor N a multiple of 16 (scalar tails, a partial weight-row tile), plus a bias."""
+    x, w, b, expected = _case(6, 37, 100, dtype, seed=3, bias=True)
+    rec = recording(kernel, "skinny_linear")
+    got = cpu_linear.linear(rec, x, w, b)
+    assert rec.handled == [True] and got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_weight_rows_split_across_threads(kernel, threads):
+    """A weight taller than one thread's share (an LM head's shape, shortened)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, _, expected = _case(2, 4099, HIDDEN, torch.float32, seed=4)
+        got = cpu_linear.linear(kernel, x, w)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["too_many_rows", "x_rows_strided", "float16", "weight_transposed"])
+def test_other_inputs_go_to_torch(kernel, case):
+    rows = cpu_linear.MAX_ROWS + 1 if case == "too_many_rows" else 4
+    dtype = torch.float16 if case == "float16" else torch.float32
+    x, w, _, _ = _case(rows, 64, 48, dtype, seed=5)
+    if case == "x_rows_strided":
+        x = torch.randn(rows, 96)[:, ::2]
+    if case == "weight_transposed":
+        w = w.T.contiguous().T
+    rec = recording(kernel, "skinny_linear")
+    got = cpu_linear.linear(rec, x, w)
+    assert rec.handled in ([], [False])
+    assert torch.equal(got, F.linear(x, w))
+
+
+def test_a_shape_mismatch_raises(kernel):
+    x, w, _, _ = _case(2, 64, 48, torch.float32, seed=6)
+    with pytest.raises(RuntimeError, match="skinny_linear"):
+        kernel.skinny_linear(x, w, None, torch.empty(2, 63))
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
+    assert cpu_linear.load_kernel() is None
+
+
+def test_a_failed_build_leaves_torch(no_compiler, caplog):
+    assert cpu_linear._KERNEL.build() is None
+    assert "CPU linear kernel unavailable" in caplog.text
+    x, w, _, _ = _case(2, 64, 48, torch.float32, seed=7)
+    assert torch.equal(cpu_linear.linear(None, x, w), F.linear(x, w))
