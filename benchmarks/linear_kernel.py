@@ -5,10 +5,11 @@ each call streams its weight from memory, as in the engine.
 
 For each row count M (token rows of the step), both paths run over the
 whole model interleaved, round by round; each figure is the median of the
-rounds, in milliseconds per step, with the kernel's speedup. The crossover
-where torch's GEMM wins again is what sets cpu_linear.MAX_ROWS.
+rounds, in milliseconds per step, with the kernel's speedup. Where torch's
+GEMM wins again depends on the host (cpu_linear.row_limit measures it when
+the engine starts); the JSON also records the limit that calibration chose.
 
-    python benchmarks/linear_kernel.py [--rows 1 2 4 8 16 24 32] [--dtype float32]
+    python benchmarks/linear_kernel.py [--rows 1 2 4 8 16 32 64 128 512 1024] [--dtype float32]
         [--threads N] [--rounds 7] [--out PATH]
 """
 
@@ -36,7 +37,7 @@ def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 1024])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=7)
@@ -80,6 +81,7 @@ def main() -> None:
         row["kernel_gb_s"] = round(result["weights_mb"] / row["kernel_ms"], 1)
         result["rows"][m] = row
         print(f"M={m}: " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    result["row_limit"] = cpu_linear.row_limit(dtype)
     result["load_after"] = load_average()
     write_json(result, args.out)
 

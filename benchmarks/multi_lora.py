@@ -147,6 +147,11 @@ def main() -> None:
                   max_cpu_loras=32)
         for name, path in zip(names, dirs):
             llm.adapters.import_dir(name, path)
+        if llm.engine.core.runner.device.type == "cpu":
+            from engine.model import cpu_linear
+
+            result["cpu_linear_row_limit"] = (cpu_linear.row_limit(getattr(torch, args.dtype))
+                                              if cpu_linear.load_kernel() else None)
         workload = make_workload(args.num_requests, args.seed, llm.tokenizer)
         result["workload"] = workload.summary()
         llm.generate(workload.prompts[:2], forced_params(4), adapters=names[:2])  # warm-up, loads slots

@@ -138,6 +138,17 @@ def cpu_fingerprint() -> str:
     return text
 
 
+def threads_sleep() -> bool:
+    """Whether idle OpenMP threads sleep between parallel regions
+    (OMP_WAIT_POLICY=PASSIVE, which our benchmarks set so that a loaded host
+    does not stall them; see benchmarks/throughput.py). Then every parallel
+    region pays ~50 us to wake them, which is more than a small kernel call
+    takes on one core; with spinning threads (libgomp's default between
+    back-to-back regions) it is a few us. Kernels read this to run small
+    calls on the calling thread."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
 def switched_off(env_switch: str) -> bool:
     return os.environ.get(env_switch, "1") == "0"
 

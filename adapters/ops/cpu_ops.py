@@ -42,6 +42,11 @@ from engine import native
 
 ENV_SWITCH = "LORAGW_CPU_LORA_KERNEL"
 TOKEN_BLOCK = 16
+# Batches below this many tokens run on one thread when idle threads sleep:
+# on 2 cores under OMP_WAIT_POLICY=PASSIVE, 27 one-token segments took 77 us
+# a projection on one thread and 134 us on two; a 1,024-token prefill chunk
+# is worth the wake-up.
+PARALLEL_TOKENS_WHEN_THREADS_SLEEP = 64
 
 _SOURCE = native.VECTOR_HELPERS + r"""
 namespace {
@@ -81,13 +86,15 @@ template <typename T>
 void apply_impl(const T* x, int64_t x_stride, const T* a, int64_t a_slot_stride, int64_t nk, int64_t h_in,
                 const std::vector<Slice>& slices, int64_t rank, T* out, int64_t out_stride,
                 const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
-                const std::vector<int64_t>& slots) {
+                const std::vector<int64_t>& slots, bool serial) {
   struct Item { int64_t start, count, slot; };
   std::vector<Item> items;
   for (size_t s = 0; s < starts.size(); ++s)
     for (int64_t j = 0; j < lens[s]; j += kTokenBlock)
       items.push_back({starts[s] + j, std::min(kTokenBlock, lens[s] - j), slots[s]});
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  // A grain of every item keeps the call on this thread (no parallel region).
+  at::parallel_for(0, num_items, serial ? num_items : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> y(kTokenBlock * nk);
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
@@ -115,10 +122,12 @@ void apply_impl(const T* x, int64_t x_stride, const T* a, int64_t a_slot_stride,
 
 // The whole projection, or false (nothing done) when the tensors are not
 // ones this kernel handles, so the caller uses the torch twin. Inconsistent
-// arguments (the ops contract broken) raise.
+// arguments (the ops contract broken) raise. A batch of fewer than
+// `parallel_tokens` tokens runs on the calling thread alone.
 bool lora_apply(const torch::Tensor& x, const torch::Tensor& lora_a, const std::vector<torch::Tensor>& lora_b,
                 const std::vector<int64_t>& offsets, const torch::Tensor& seg_starts,
-                const torch::Tensor& seg_lens, const torch::Tensor& seg_slots, torch::Tensor& out) {
+                const torch::Tensor& seg_lens, const torch::Tensor& seg_slots, torch::Tensor& out,
+                int64_t parallel_tokens) {
   TORCH_CHECK(x.dim() == 2 && lora_a.dim() == 3 && out.dim() == 2, "x, lora_a, out: 2, 3, 2 dims");
   TORCH_CHECK(!lora_b.empty() && lora_b.size() == offsets.size(), "one offset per B slice");
   const auto dtype = x.scalar_type();
@@ -156,13 +165,14 @@ bool lora_apply(const torch::Tensor& x, const torch::Tensor& lora_a, const std::
                 " is outside the batch");
     TORCH_CHECK(slots[s] >= 0 && slots[s] < num_slots, "segment ", s, "'s slot is past the stack");
   }
+  const bool serial = num_tokens < parallel_tokens;
   if (dtype == at::kFloat) {
     apply_impl<float>(x.data_ptr<float>(), x.stride(0), lora_a.data_ptr<float>(), lora_a.stride(0), nk, h_in,
-                      slices, rank, out.data_ptr<float>(), out.stride(0), starts, lens, slots);
+                      slices, rank, out.data_ptr<float>(), out.stride(0), starts, lens, slots, serial);
   } else {
     apply_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), lora_a.data_ptr<c10::BFloat16>(),
                               lora_a.stride(0), nk, h_in, slices, rank, out.data_ptr<c10::BFloat16>(),
-                              out.stride(0), starts, lens, slots);
+                              out.stride(0), starts, lens, slots, serial);
   }
   return true;
 }
@@ -182,10 +192,15 @@ class CpuLoraOps(TorchLoraOps):
     def __init__(self, kernel=None):
         # Built here, not on the first step: the first build takes ~30 s.
         self.kernel = load_kernel() if kernel is None else kernel
+        # A decode step's LoRA work is streaming a few adapters' weights, as
+        # fast on one core as on two here; where idle threads sleep, waking
+        # the second costs more than it brings (engine/native.py).
+        self.parallel_tokens = PARALLEL_TOKENS_WHEN_THREADS_SLEEP if native.threads_sleep() else 0
 
     def apply(self, x, lora_a, lora_b_slices, meta: SGMVMeta, out, offsets) -> None:
         # One call per projection and step, so the checks live in the kernel
         # (microseconds there; in Python they cost as much as the math).
         if self.kernel is None or not self.kernel.lora_apply(
-                x, lora_a, list(lora_b_slices), list(offsets), meta.seg_starts, meta.seg_lens, meta.seg_slots, out):
+                x, lora_a, list(lora_b_slices), list(offsets), meta.seg_starts, meta.seg_lens, meta.seg_slots, out,
+                self.parallel_tokens):
             super().apply(x, lora_a, lora_b_slices, meta, out, offsets)

@@ -11,12 +11,18 @@ in those matmuls.
 This kernel reads each weight row once per call and computes every token
 row's dot product with it from L1, in register tiles (4 token rows x 4
 weight rows, or 1 x 16 for a single row), float32 accumulation for float32
-and bfloat16 alike, threads splitting the weight rows. Up to MAX_ROWS token
-rows it beats torch's GEMM (`benchmarks/linear_kernel.py` finds the
-crossover); past that the GEMM's cache blocking wins and `linear` leaves the
-work to torch, which is also the twin that the tests hold this kernel to.
-It is switched off by LORAGW_CPU_LINEAR_KERNEL=0 and built like the other
-kernels (engine/native.py).
+and bfloat16 alike, threads splitting the weight rows. torch's F.linear is
+the twin that the tests hold it to. It is switched off by
+LORAGW_CPU_LINEAR_KERNEL=0 and built like the other kernels
+(engine/native.py).
+
+Where the GEMM wins again depends on the host. On an Intel Xeon, MKL's
+AVX-512 GEMM overtook the kernel past 32 rows; on an AMD EPYC with AVX-512,
+MKL takes a slower code path and the kernel won at every row count up to
+1,024, prefill chunks included (1.35x there; `benchmarks/linear_kernel.py`).
+So up to MIN_ROW_LIMIT rows the kernel always runs, and the limit past that
+is measured once per process and dtype (`row_limit`: a few hundred ms, when
+the model is built), or set by LORAGW_CPU_LINEAR_MAX_ROWS.
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.
@@ -24,13 +30,27 @@ match it to float32 rounding, not bit for bit.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import time
+
 import torch
 import torch.nn.functional as F
 
 from engine import native
 
+log = logging.getLogger(__name__)
+
 ENV_SWITCH = "LORAGW_CPU_LINEAR_KERNEL"
-MAX_ROWS = 32
+ROWS_ENV = "LORAGW_CPU_LINEAR_MAX_ROWS"
+# The kernel beat torch's GEMM up to here on every host measured.
+MIN_ROW_LIMIT = 32
+# Row counts the calibration tries past MIN_ROW_LIMIT, on a gate_proj-sized
+# weight (1536 x 576: bigger than a core's L2, as every weight of the model).
+CALIBRATION_ROWS = (64, 128, 256, 512, 1024)
+CALIBRATION_SHAPE = (1536, 576)
+CALIBRATION_REPEATS = 5
 
 _SOURCE = native.VECTOR_HELPERS + r"""
 namespace {
@@ -94,10 +114,67 @@ load_kernel = _KERNEL.load
 
 
 def linear(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, by the kernel when `x` has at most MAX_ROWS rows and the
+    """F.linear, by the kernel when `x` has at most `row_limit` rows and the
     kernel takes the tensors; `kernel` None is plain F.linear."""
-    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS:
+    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] and (
+            x.shape[0] <= MIN_ROW_LIMIT or x.shape[0] <= row_limit(x.dtype)):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if kernel.skinny_linear(x, weight, bias, out):
             return out
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def row_limit(dtype: torch.dtype) -> int:
+    """The most token rows the kernel takes in `dtype` on this host:
+    LORAGW_CPU_LINEAR_MAX_ROWS when set, else measured against F.linear."""
+    env = os.environ.get(ROWS_ENV)
+    if env:
+        try:
+            limit = int(env)
+        except ValueError:
+            raise ValueError(f"{ROWS_ENV}={env!r} is not a number of rows") from None
+        if limit < 0:
+            raise ValueError(f"{ROWS_ENV}={env!r} must be >= 0")
+        return limit
+    kernel = load_kernel()
+    if kernel is None or dtype not in (torch.float32, torch.bfloat16):
+        return MIN_ROW_LIMIT
+    t0 = time.perf_counter()
+    limit = crossover(measure(kernel, dtype))
+    log.info("CPU linear kernel: up to %d rows in %s (calibrated in %.0f ms)", limit,
+             str(dtype).removeprefix("torch."), (time.perf_counter() - t0) * 1e3)
+    return limit
+
+
+def measure(kernel, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+    """rows -> (kernel, torch) seconds, each the best of CALIBRATION_REPEATS
+    interleaved runs (the best is the least disturbed by other processes)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = CALIBRATION_SHAPE
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    timings = {}
+    for rows in CALIBRATION_ROWS:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        out = torch.empty(rows, n, dtype=dtype)
+        best = [float("inf"), float("inf")]
+        for _ in range(CALIBRATION_REPEATS):
+            for i, run in enumerate((lambda: kernel.skinny_linear(x, weight, None, out),
+                                     lambda: F.linear(x, weight))):
+                t0 = time.perf_counter()
+                run()
+                best[i] = min(best[i], time.perf_counter() - t0)
+        timings[rows] = (best[0], best[1])
+    return timings
+
+
+def crossover(timings: dict[int, tuple[float, float]]) -> int:
+    """The largest row count up to which the kernel was faster at every
+    measured point (MIN_ROW_LIMIT when it lost at the first)."""
+    limit = MIN_ROW_LIMIT
+    for rows in sorted(timings):
+        kernel_s, torch_s = timings[rows]
+        if kernel_s >= torch_s:
+            break
+        limit = rows
+    return limit

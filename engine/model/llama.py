@@ -218,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _empty((config.vocab_size, config.hidden_size), dtype, self.device)
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
+        if self._cpu_linear is not None:
+            cpu_linear.row_limit(dtype)  # measured now, not in the first step
 
     def forward(
         self,

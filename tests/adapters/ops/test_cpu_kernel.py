@@ -94,16 +94,20 @@ def test_widths_off_the_vector_grid(kernel):
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("parallel_tokens", [0, 1_000], ids=["parallel", "serial"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_the_torch_twin_on_a_step_of_many_adapters(kernel, threads):
+def test_matches_the_torch_twin_on_a_step_of_many_adapters(kernel, threads, parallel_tokens):
     """32 adapters: a decode each, a few prefill chunks (past one 16-token
-    work item), base tokens between; the kernel and the twin agree."""
+    work item), base tokens between; the kernel and the twin agree, whether
+    the 93 tokens are split across threads or kept on the calling one."""
     batch = [(1, s) for s in range(32)] + [(40, 3), (3, None), (17, 30), (1, None)]
+    cpu_ops = CpuLoraOps(kernel)
+    cpu_ops.parallel_tokens = parallel_tokens
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         outs = [run_apply(ops, HIDDEN, [INTERMEDIATE, INTERMEDIATE], [8] * 32, 8, batch, torch.float32, seed=5)[0]
-                for ops in (CpuLoraOps(kernel), TorchLoraOps())]
+                for ops in (cpu_ops, TorchLoraOps())]
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -54,6 +54,15 @@ def test_kernel_and_twin_agree_on_smollm_shapes(kernel, dtype):
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("parallel_positions", [0, 10**9], ids=["parallel", "serial"])
+def test_calls_on_one_thread_or_split_match_the_reference(kernel, monkeypatch, parallel_positions):
+    """Where idle threads sleep, small calls stay on the calling thread."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(cpu_decode, "PARALLEL_POSITIONS_WHEN_THREADS_SLEEP", parallel_positions)
+    case = make_case(LONG_DECODES, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=6)
+    check_backend(_backend("kernel"), case)
+
+
 def test_non_contiguous_query_rows(kernel):
     """The model hands over query as a view of its fused q/k projection."""
     case = make_case(SCENARIOS["mixed"], num_heads=6, num_kv_heads=2, head_dim=32, seed=5)

@@ -27,11 +27,23 @@ def _case(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool =
     return x, w, b, expected
 
 
-# Rows: single tokens, 4-row tiles and their remainders, up to MAX_ROWS.
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, cpu_linear.MAX_ROWS])
+@pytest.fixture
+def row_limit(monkeypatch):
+    """Sets LORAGW_CPU_LINEAR_MAX_ROWS for one test (row_limit is cached per process)."""
+    def set_limit(value: str):
+        monkeypatch.setenv(cpu_linear.ROWS_ENV, value)
+        cpu_linear.row_limit.cache_clear()
+    yield set_limit
+    cpu_linear.row_limit.cache_clear()
+
+
+# Rows: single tokens, 4-row tiles and their remainders, up to the fixed
+# limit, and past it (prefill chunks, where a host's calibration allows).
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, cpu_linear.MIN_ROW_LIMIT, 37, 130])
 @pytest.mark.parametrize("shape", [(QKV, HIDDEN), (HIDDEN, INTERMEDIATE), (2 * INTERMEDIATE, HIDDEN)],
                          ids=["qkv", "down", "gate_up"])
-def test_smollm2_shapes_match_the_reference(kernel, rows, shape):
+def test_smollm2_shapes_match_the_reference(kernel, row_limit, rows, shape):
+    row_limit("1024")
     x, w, _, expected = _case(rows, *shape, torch.float32, seed=rows)
     rec = recording(kernel, "skinny_linear")
     got = cpu_linear.linear(rec, x, w)
@@ -63,8 +75,9 @@ def test_many_weight_rows_split_across_threads(kernel, threads):
 
 
 @pytest.mark.parametrize("case", ["too_many_rows", "x_rows_strided", "float16", "weight_transposed"])
-def test_other_inputs_go_to_torch(kernel, case):
-    rows = cpu_linear.MAX_ROWS + 1 if case == "too_many_rows" else 4
+def test_other_inputs_go_to_torch(kernel, row_limit, case):
+    row_limit("40")
+    rows = 41 if case == "too_many_rows" else 4
     dtype = torch.float16 if case == "float16" else torch.float32
     x, w, _, _ = _case(rows, 64, 48, dtype, seed=5)
     if case == "x_rows_strided":
@@ -93,3 +106,34 @@ def test_a_failed_build_leaves_torch(no_compiler, caplog):
     assert "CPU linear kernel unavailable" in caplog.text
     x, w, _, _ = _case(2, 64, 48, torch.float32, seed=7)
     assert torch.equal(cpu_linear.linear(None, x, w), F.linear(x, w))
+
+
+def test_the_row_limit_is_the_last_point_before_torch_wins():
+    kernel_faster = {64: (1.0, 2.0), 128: (2.0, 3.0)}
+    assert cpu_linear.crossover(kernel_faster) == 128
+    assert cpu_linear.crossover({**kernel_faster, 256: (5.0, 4.0), 512: (1.0, 9.0)}) == 128
+    assert cpu_linear.crossover({64: (2.0, 1.0), 128: (1.0, 2.0)}) == cpu_linear.MIN_ROW_LIMIT
+
+
+def test_calibration_times_both_paths_at_every_point(kernel):
+    timings = cpu_linear.measure(kernel, torch.float32)
+    assert sorted(timings) == sorted(cpu_linear.CALIBRATION_ROWS)
+    assert all(0 < k_s < 1 and 0 < t_s < 1 for k_s, t_s in timings.values())
+    assert cpu_linear.crossover(timings) in (cpu_linear.MIN_ROW_LIMIT, *cpu_linear.CALIBRATION_ROWS)
+
+
+@pytest.mark.parametrize("value", ["many", "-1"])
+def test_a_bad_row_limit_in_the_environment_is_named(row_limit, value):
+    row_limit(value)
+    with pytest.raises(ValueError, match=cpu_linear.ROWS_ENV):
+        cpu_linear.row_limit(torch.float32)
+
+
+def test_without_the_kernel_the_limit_is_the_fixed_one(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
+    monkeypatch.delenv(cpu_linear.ROWS_ENV, raising=False)
+    cpu_linear.row_limit.cache_clear()
+    try:
+        assert cpu_linear.row_limit(torch.float32) == cpu_linear.MIN_ROW_LIMIT
+    finally:
+        cpu_linear.row_limit.cache_clear()
