@@ -16,13 +16,15 @@ the twin that the tests hold it to. It is switched off by
 LORAGW_CPU_LINEAR_KERNEL=0 and built like the other kernels
 (engine/native.py).
 
-Where the GEMM wins again depends on the host. On an Intel Xeon, MKL's
-AVX-512 GEMM overtook the kernel past 32 rows; on an AMD EPYC with AVX-512,
-MKL takes a slower code path and the kernel won at every row count up to
-1,024, prefill chunks included (1.35x there; `benchmarks/linear_kernel.py`).
-So up to MIN_ROW_LIMIT rows the kernel always runs, and the limit past that
-is measured once per process and dtype (`row_limit`: a few hundred ms, when
-the model is built), or set by LORAGW_CPU_LINEAR_MAX_ROWS.
+Where the GEMM wins again depends on the host. The first limit, 32 rows,
+was only where the measurements stopped. On our 2-core AMD EPYC with
+AVX-512, torch's MKL GEMM turned out slower than the kernel at every row
+count up to 1,024, prefill chunks included (1.3x there;
+`benchmarks/linear_kernel.py`); MKL picks its code path by CPU vendor and
+model, so an Intel host with its AVX-512 GEMM may well cross over much
+sooner. So up to MIN_ROW_LIMIT rows the kernel always runs, and the limit
+past that is measured once per process and dtype (`row_limit`: ~170 ms,
+when the model is built), or set by LORAGW_CPU_LINEAR_MAX_ROWS.
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.
