@@ -81,7 +81,7 @@ def main() -> None:
         row["kernel_gb_s"] = round(result["weights_mb"] / row["kernel_ms"], 1)
         result["rows"][m] = row
         print(f"M={m}: " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    result["row_limit"] = cpu_linear.row_limit(dtype)
+    result["row_limit"] = cpu_linear.row_limit(dtype, torch.get_num_threads())
     result["load_after"] = load_average()
     write_json(result, args.out)
 

@@ -150,7 +150,7 @@ def main() -> None:
         if llm.engine.core.runner.device.type == "cpu":
             from engine.model import cpu_linear
 
-            result["cpu_linear_row_limit"] = (cpu_linear.row_limit(getattr(torch, args.dtype))
+            result["cpu_linear_row_limit"] = (cpu_linear.row_limit(getattr(torch, args.dtype), torch.get_num_threads())
                                               if cpu_linear.load_kernel() else None)
         workload = make_workload(args.num_requests, args.seed, llm.tokenizer)
         result["workload"] = workload.summary()

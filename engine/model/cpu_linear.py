@@ -22,9 +22,9 @@ AVX-512, torch's MKL GEMM turned out slower than the kernel at every row
 count up to 1,024, prefill chunks included (1.3x there;
 `benchmarks/linear_kernel.py`); MKL picks its code path by CPU vendor and
 model, so an Intel host with its AVX-512 GEMM may well cross over much
-sooner. So up to MIN_ROW_LIMIT rows the kernel always runs, and the limit
-past that is measured once per process and dtype (`row_limit`: ~170 ms,
-when the model is built), or set by LORAGW_CPU_LINEAR_MAX_ROWS.
+sooner. So the limit is measured once per process, dtype and thread count
+(`row_limit`: ~170 ms, when the model is built), never below MIN_ROW_LIMIT,
+or set outright by LORAGW_CPU_LINEAR_MAX_ROWS.
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LORAGW_CPU_LINEAR_KERNEL"
 ROWS_ENV = "LORAGW_CPU_LINEAR_MAX_ROWS"
-# The kernel beat torch's GEMM up to here on every host measured.
+# The kernel beat torch's GEMM up to here on every host measured; the
+# calibration never goes below it.
 MIN_ROW_LIMIT = 32
 # Row counts the calibration tries past MIN_ROW_LIMIT, on a gate_proj-sized
 # weight (1536 x 576: bigger than a core's L2, as every weight of the model).
@@ -118,8 +119,7 @@ load_kernel = _KERNEL.load
 def linear(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, by the kernel when `x` has at most `row_limit` rows and the
     kernel takes the tensors; `kernel` None is plain F.linear."""
-    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] and (
-            x.shape[0] <= MIN_ROW_LIMIT or x.shape[0] <= row_limit(x.dtype)):
+    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads()):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if kernel.skinny_linear(x, weight, bias, out):
             return out
@@ -127,8 +127,9 @@ def linear(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 @functools.cache
-def row_limit(dtype: torch.dtype) -> int:
-    """The most token rows the kernel takes in `dtype` on this host:
+def row_limit(dtype: torch.dtype, threads: int) -> int:
+    """The most token rows the kernel takes in `dtype` with `threads` torch
+    threads (the current count, which the measurement runs at) on this host:
     LORAGW_CPU_LINEAR_MAX_ROWS when set, else measured against F.linear."""
     env = os.environ.get(ROWS_ENV)
     if env:
@@ -144,8 +145,8 @@ def row_limit(dtype: torch.dtype) -> int:
         return MIN_ROW_LIMIT
     t0 = time.perf_counter()
     limit = crossover(measure(kernel, dtype))
-    log.info("CPU linear kernel: up to %d rows in %s (calibrated in %.0f ms)", limit,
-             str(dtype).removeprefix("torch."), (time.perf_counter() - t0) * 1e3)
+    log.info("CPU linear kernel: up to %d rows in %s on %d threads (calibrated in %.0f ms)", limit,
+             str(dtype).removeprefix("torch."), threads, (time.perf_counter() - t0) * 1e3)
     return limit
 
 

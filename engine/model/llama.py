@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _empty((config.vocab_size, config.hidden_size), dtype, self.device)
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
         if self._cpu_linear is not None:
-            cpu_linear.row_limit(dtype)  # measured now, not in the first step
+            cpu_linear.row_limit(dtype, torch.get_num_threads())  # measured now, not in the first step
 
     def forward(
         self,

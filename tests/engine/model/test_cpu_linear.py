@@ -76,8 +76,8 @@ def test_many_weight_rows_split_across_threads(kernel, threads):
 
 @pytest.mark.parametrize("case", ["too_many_rows", "x_rows_strided", "float16", "weight_transposed"])
 def test_other_inputs_go_to_torch(kernel, row_limit, case):
-    row_limit("40")
-    rows = 41 if case == "too_many_rows" else 4
+    row_limit("8")  # the environment's limit holds below the calibration's floor too
+    rows = 9 if case == "too_many_rows" else 4
     dtype = torch.float16 if case == "float16" else torch.float32
     x, w, _, _ = _case(rows, 64, 48, dtype, seed=5)
     if case == "x_rows_strided":
@@ -126,7 +126,7 @@ def test_calibration_times_both_paths_at_every_point(kernel):
 def test_a_bad_row_limit_in_the_environment_is_named(row_limit, value):
     row_limit(value)
     with pytest.raises(ValueError, match=cpu_linear.ROWS_ENV):
-        cpu_linear.row_limit(torch.float32)
+        cpu_linear.row_limit(torch.float32, torch.get_num_threads())
 
 
 def test_without_the_kernel_the_limit_is_the_fixed_one(monkeypatch):
@@ -134,6 +134,6 @@ def test_without_the_kernel_the_limit_is_the_fixed_one(monkeypatch):
     monkeypatch.delenv(cpu_linear.ROWS_ENV, raising=False)
     cpu_linear.row_limit.cache_clear()
     try:
-        assert cpu_linear.row_limit(torch.float32) == cpu_linear.MIN_ROW_LIMIT
+        assert cpu_linear.row_limit(torch.float32, torch.get_num_threads()) == cpu_linear.MIN_ROW_LIMIT
     finally:
         cpu_linear.row_limit.cache_clear()
