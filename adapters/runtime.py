@@ -6,8 +6,8 @@ The adapters they name are put into device slots, the requests are ordered
 by slot (so each adapter's tokens form one segment) and the segment metadata
 is built once. Every packed projection of the model then calls its hook,
 which adds that step's deltas with one `apply`: a shrink over the stacked A
-matrices and an expand per slice, fused where the backend can. A step without adapter tokens costs one check per
-projection.
+matrices and an expand per slice, fused where the backend can. A step
+without adapter tokens costs one check per projection.
 """
 
 from __future__ import annotations

@@ -149,6 +149,13 @@ def threads_sleep() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
+def serial_below(size_when_threads_sleep: int) -> int:
+    """The work size under which a kernel call stays on the calling thread:
+    the given size where idle threads sleep, else 0 (always parallel). Read
+    once when a kernel's user is made, not per call."""
+    return size_when_threads_sleep if threads_sleep() else 0
+
+
 def switched_off(env_switch: str) -> bool:
     return os.environ.get(env_switch, "1") == "0"
 

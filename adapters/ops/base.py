@@ -124,4 +124,3 @@ def check_slices(y: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], offsets
     assert all(b.shape[2] == rank for b in lora_b_slices), [tuple(b.shape) for b in lora_b_slices]
     assert y.shape[1] == rank * len(lora_b_slices), (y.shape, rank, len(lora_b_slices))
     return rank
-

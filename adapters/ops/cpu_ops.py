@@ -195,7 +195,7 @@ class CpuLoraOps(TorchLoraOps):
         # A decode step's LoRA work is streaming a few adapters' weights, as
         # fast on one core as on two here; where idle threads sleep, waking
         # the second costs more than it brings (engine/native.py).
-        self.parallel_tokens = PARALLEL_TOKENS_WHEN_THREADS_SLEEP if native.threads_sleep() else 0
+        self.parallel_tokens = native.serial_below(PARALLEL_TOKENS_WHEN_THREADS_SLEEP)
 
     def apply(self, x, lora_a, lora_b_slices, meta: SGMVMeta, out, offsets) -> None:
         # One call per projection and step, so the checks live in the kernel

@@ -254,13 +254,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new token
     width: int,  # >= the longest seq_len among the n sequences
     scale: float,
-    parallel_positions: int | None = None,  # None: by the host's thread wait policy
+    parallel_positions: int,  # native.serial_below(PARALLEL_POSITIONS_WHEN_THREADS_SLEEP)
 ) -> None:
     """Attention of each decode row over its whole context, into `out`.
     Sequences of fewer than `parallel_positions` positions in all are done
     on the calling thread."""
-    if parallel_positions is None:
-        parallel_positions = PARALLEL_POSITIONS_WHEN_THREADS_SLEEP if native.threads_sleep() else 0
     assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype and query.dtype in _DTYPES
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape

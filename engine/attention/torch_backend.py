@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.attention import cpu_decode
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
@@ -77,6 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_meta: AttentionMetadata | None = None
         # (dtype, device, query and cache shapes) -> kernel or None: decided once, not per layer.
         self._kernels: dict[tuple, object | None] = {}
+        self._decode_parallel_positions = native.serial_below(cpu_decode.PARALLEL_POSITIONS_WHEN_THREADS_SLEEP)
 
     def load_decode_kernel(self) -> bool:
         """Builds the C++ decode kernel now rather than in the first decode
@@ -193,7 +195,7 @@ class TorchAttentionBackend(AttentionBackend):
             if kernel is not None:
                 cpu_decode.paged_decode_attention(
                     kernel, out, query, k_cache, v_cache, plan.decode_rows, plan.decode_seq_ids,
-                    meta.block_tables, meta.seq_lens, plan.decode_width, scale)
+                    meta.block_tables, meta.seq_lens, plan.decode_width, scale, self._decode_parallel_positions)
             else:
                 self._decode_with_buckets(out, query, k_cache, v_cache, meta, scale)
         self._prefill(out, query, key, value, k_cache, v_cache, plan.prefill, scale)
