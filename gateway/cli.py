@@ -66,7 +66,21 @@ def _add_serve_parser(sub) -> None:
     f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_observability_flags(f)
+    _add_limit_flags(f)
     cli_usage.add_price_flag(serve)
+
+
+def _add_limit_flags(f) -> None:
+    from gateway.config import GatewayConfig as C
+
+    f("--max-request-bytes", type=int, default=C.max_request_bytes,
+      help="largest request body; more is refused with 413 while it is read (adapter uploads: "
+           "--max-upload-bytes)")
+    f("--max-upload-bytes", type=int, default=C.max_upload_bytes, help="largest adapter upload (POST /admin/adapters)")
+    f("--max-header-bytes", type=int, default=C.max_header_bytes,
+      help="largest request line plus headers; more is refused with 431")
+    f("--prepare-threads", type=int, default=C.prepare_threads,
+      help="worker threads that parse, template and tokenize requests off the event loop")
 
 
 def _add_observability_flags(f) -> None:
@@ -112,7 +126,9 @@ def _serve_config(args: argparse.Namespace):
         standard=TierLimits(max_waiting=args.standard_max_waiting,
                             max_queue_wait_s=args.standard_max_queue_wait or None), drain_timeout_s=args.drain_timeout,
         metrics_adapter_labels=args.metrics_adapter_labels, metrics_tenant_labels=args.metrics_tenant_labels,
-        slo=_slo_config(args), prices=cli_usage.price_book(args))
+        slo=_slo_config(args), prices=cli_usage.price_book(args), max_request_bytes=args.max_request_bytes,
+        max_upload_bytes=args.max_upload_bytes, max_header_bytes=args.max_header_bytes,
+        prepare_threads=args.prepare_threads)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -42,7 +42,16 @@ class GatewayConfig:
     premium: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
     standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64, max_queue_wait_s=10.0))
     drain_timeout_s: float = 30.0
-    max_upload_bytes: int = 256 * 1024 * 1024
+    max_upload_bytes: int = 256 * 1024 * 1024  # POST /admin/adapters, the one route with a larger body limit
+    # Bounds at the edge (docs/gateway.md, "Limits"). A body over
+    # `max_request_bytes` is refused with 413 while it is read, never
+    # buffered; a request head (request line and headers) over
+    # `max_header_bytes` gets 431 from the HTTP parser.
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    # Worker threads that parse, template and tokenize /v1 requests, so the
+    # event loop never does; more requests than this wait their turn.
+    prepare_threads: int = 4
     data_dir: Path | None = None  # None: $LORAGW_DATA_DIR or the user data dir
     prices: PriceBook = field(default_factory=PriceBook)  # per tier, applied to usage exports
     # Metrics label bounds: the first N adapters / tenants seen get a series

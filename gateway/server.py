@@ -22,6 +22,7 @@ import uvicorn
 from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
 from gateway.engine_client import InProcessEngineClient
+from gateway.http_protocol import GatewayH11Protocol
 from gateway.metrics import GatewayMetrics
 from gateway.slo import SloMonitor
 from gateway.store.base import Store
@@ -131,8 +132,11 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(gateway: Gateway, *, log_level: str = "info") -> DrainingServer:
     config = gateway.config
+    # The HTTP parser is pinned, with its head limit, rather than left to
+    # uvicorn's choice of whatever is installed (gateway/http_protocol.py).
     uv_config = uvicorn.Config(create_app(gateway), host=config.host, port=config.port, log_level=log_level,
-                               lifespan="on", timeout_graceful_shutdown=_FORCE_STOP_S)
+                               lifespan="on", timeout_graceful_shutdown=_FORCE_STOP_S,
+                               http=GatewayH11Protocol, h11_max_incomplete_event_size=config.max_header_bytes)
     return DrainingServer(uv_config, gateway, config.drain_timeout_s)
 
 

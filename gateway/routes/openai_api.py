@@ -1,7 +1,8 @@
 """The OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
 Every completion takes the same path:
-  auth -> parse (400) -> model: base or an adapter this tenant may use (404)
+  auth -> the tenant's rate limits (429) -> read the body (413) -> parse (400)
+  -> model: base or an adapter this tenant may use (404)
   -> prepare tokens and sampling (400) -> admission (429) -> engine
   -> one JSON body, or an SSE stream.
 The cache salt comes from the principal, never from the request, so KV is
@@ -14,6 +15,7 @@ import datetime as dt
 import uuid
 from typing import Callable
 
+from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -106,9 +108,12 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
         raise ServiceUnavailable("the server is shutting down; retry on another replica", code="draining",
                                  headers={"Retry-After": "1"})
     principal = await require_principal(request)
-    body = parse_body(await request.body(), schema)
+    gw.admission.precheck(principal)  # before any work a tenant over its limits could make us do
+    # JSON parsing, templating and tokenizing run on worker threads (a
+    # bounded number), never on the event loop.
+    body = await to_thread.run_sync(parse_body, await request.body(), schema, limiter=gw.prepare_limiter)
     adapter_key = await resolve_model(request, principal, body.model)
-    prepared = prepare(body, gw.engine)
+    prepared = await to_thread.run_sync(prepare, body, gw.engine, limiter=gw.prepare_limiter)
     params = prepared.params
     with admission_span(gw.tracing, principal, model=body.model, chat=chat):
         ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),

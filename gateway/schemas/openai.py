@@ -14,14 +14,24 @@ from their JSON schemas.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 256  # each stop string is matched against the output text every step
+MAX_MESSAGES = 1024  # each one is templated
 _INT64 = 2**63
+
+# A list field is checked item by item and, by default, pydantic reports
+# every bad item: a 4 MiB body of two million of them costs seconds of CPU
+# with the GIL held, which a worker thread does not hide from the event
+# loop. Every request list stops at its first bad item, and a list with a
+# count limit is refused on its length before any item is looked at.
+def _list_of(item):
+    return Annotated[list[item], Field(fail_fast=True)]
 
 _REQUEST = ConfigDict(extra="ignore", strict=True)
 
@@ -44,8 +54,9 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None, validate_default=True,
-                                         description=f"up to {MAX_STOP} non-empty stop strings")
+    stop: str | _list_of(str) | None = Field(
+        None, validate_default=True,
+        description=f"up to {MAX_STOP} non-empty stop strings of at most {MAX_STOP_CHARS} characters")
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -63,14 +74,21 @@ class _SamplingRequest(BaseModel):
         return next((name for name, no_ops in cls.UNSUPPORTED.items()
                      if name in body and body[name] not in no_ops), None)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, stop: object) -> object:
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stop)}")
+        return stop
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters long")
         return stops
 
     @field_validator("stream_options")
@@ -100,7 +118,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _REQUEST
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | _list_of(ContentPart) | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -114,10 +132,17 @@ class ChatCompletionRequest(_SamplingRequest):
         **_SamplingRequest.UNSUPPORTED, "tools": (None, []), "functions": (None, []),
         "tool_choice": (None, "none", "auto"), "audio": (None,), "response_format": (None, {"type": "text"})}
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: _list_of(ChatMessage) = Field(min_length=1, description=f"at most {MAX_MESSAGES}")
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, messages: object) -> object:
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(messages)}")
+        return messages
 
     @field_validator("top_logprobs")
     @classmethod
@@ -140,9 +165,17 @@ class CompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **_SamplingRequest.UNSUPPORTED, "echo": (None, False), "suffix": (None, "")}
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    # Token ids first: the long list is matched by the first branch tried.
+    prompt: str | _list_of(int) | _list_of(str) | _list_of(_list_of(int)) = Field(
         description="a string, a list of one string, token ids, or a list of one token-id list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: object) -> object:
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise ValueError("only one prompt per request is supported")
+        return prompt
 
     def output_limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
