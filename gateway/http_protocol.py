@@ -46,7 +46,8 @@ class GatewayH11Protocol(H11Protocol):
         error = HeaderFieldsTooLarge(f"the request line and headers are over this server's limit of {limit} bytes")
         body = json.dumps(error.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        for event in (h11.Response(status_code=error.status, headers=headers), h11.Data(data=body),
+        for event in (h11.Response(status_code=error.status, headers=headers,
+                                    reason=b"Request Header Fields Too Large"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
