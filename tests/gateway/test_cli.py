@@ -28,6 +28,18 @@ def test_serve_flags_default_to_their_env_variables(monkeypatch):
     assert config.enable_tiers and config.engine.enable_tiers
 
 
+def test_edge_limit_flags_take_their_defaults_from_the_config(monkeypatch):
+    from gateway.config import GatewayConfig
+
+    defaults = GatewayConfig()
+    config = _serve_config(_serve_args([]))
+    assert (config.max_request_bytes, config.max_upload_bytes, config.max_header_bytes, config.prepare_threads) == (
+        defaults.max_request_bytes, defaults.max_upload_bytes, defaults.max_header_bytes, defaults.prepare_threads)
+    monkeypatch.setenv("LORAGW_MAX_HEADER_BYTES", "8192")
+    config = _serve_config(_serve_args(["--max-request-bytes", "1000", "--prepare-threads", "2"]))
+    assert (config.max_request_bytes, config.max_header_bytes, config.prepare_threads) == (1000, 8192, 2)
+
+
 def test_no_tiers_turns_off_the_premium_reserve(monkeypatch):
     monkeypatch.setenv("LORAGW_NO_TIERS", "1")
     config = _serve_config(_serve_args([]))
