@@ -23,7 +23,7 @@ from starlette.routing import Route
 from adapters.errors import AdapterError
 from gateway.deps import gateway_of, require_principal
 from gateway.engine_client import EngineRequest
-from gateway.errors import ModelNotFound, ServiceUnavailable
+from gateway.errors import ModelNotFound, RateLimited, ServiceUnavailable
 from gateway.lifecycle import RequestLifecycle
 from gateway.openai_format import ResponseFormat
 from gateway.prepare import Prepared, parse_body, prepare_chat, prepare_completion
@@ -102,13 +102,23 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
         raise not_found from None
 
 
+def _precheck(gw, principal: Principal, *, chat: bool) -> None:
+    """The tenant's own limits, before any work a tenant over them could make
+    us do (reading, parsing, tokenizing); a refusal is traced like admit's."""
+    try:
+        gw.admission.precheck(principal)
+    except RateLimited:
+        with admission_span(gw.tracing, principal, model=None, chat=chat):
+            raise
+
+
 async def _complete(request: Request, schema, prepare: Callable[..., Prepared], *, chat: bool) -> Response:
     gw = gateway_of(request)
     if gw.draining:
         raise ServiceUnavailable("the server is shutting down; retry on another replica", code="draining",
                                  headers={"Retry-After": "1"})
     principal = await require_principal(request)
-    gw.admission.precheck(principal)  # before any work a tenant over its limits could make us do
+    _precheck(gw, principal, chat=chat)
     # JSON parsing, templating and tokenizing run on worker threads (a
     # bounded number), never on the event loop.
     body = await to_thread.run_sync(parse_body, await request.body(), schema, limiter=gw.prepare_limiter)
