@@ -33,6 +33,17 @@ _INT64 = 2**63
 def _list_of(item):
     return Annotated[list[item], Field(fail_fast=True)]
 
+
+def _at_most(field: str, limit: int, what: str):
+    """A validator that refuses a list of more than `limit` items on its length alone."""
+
+    def check(cls, value: object) -> object:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what} are allowed, got {len(value)}")
+        return value
+
+    return field_validator(field, mode="before")(classmethod(check))
+
 _REQUEST = ConfigDict(extra="ignore", strict=True)
 
 
@@ -74,12 +85,7 @@ class _SamplingRequest(BaseModel):
         return next((name for name, no_ops in cls.UNSUPPORTED.items()
                      if name in body and body[name] not in no_ops), None)
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_count(cls, stop: object) -> object:
-        if isinstance(stop, list) and len(stop) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stop)}")
-        return stop
+    _stop_count = _at_most("stop", MAX_STOP, "stop sequences")
 
     @field_validator("stop")
     @classmethod
@@ -137,12 +143,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _message_count(cls, messages: object) -> object:
-        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
-            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(messages)}")
-        return messages
+    _message_count = _at_most("messages", MAX_MESSAGES, "messages")
 
     @field_validator("top_logprobs")
     @classmethod
