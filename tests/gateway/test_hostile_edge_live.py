@@ -15,8 +15,10 @@ import time
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
+from engine.token_floor import max_chars_per_token
 from gateway.config import GatewayConfig
 from gateway.server import build_gateway
 from gateway.tenancy import Tier
@@ -105,7 +107,7 @@ def test_health_stays_fast_while_a_tenant_floods_huge_bodies_and_prompts(live):
     model = live.gateway.served_model_name
     words = ["alpha", "beta", "gamma", "delta", "hello", "world", "quick", "brown", "fox", "lazy"]
     twenty_mb = b"x" * (20 * MiB)
-    per_token = live.gateway.engine._max_chars_per_token
+    per_token = max_chars_per_token(AutoTokenizer.from_pretrained(live.gateway.engine.model_dir))
     under_floor = " ".join(rng.choice(words) for _ in range(per_token * 2048 // 7))[:per_token * 2047]
     bodies = {
         "20MB declared": lambda: {"content": twenty_mb},
