@@ -301,3 +301,18 @@ def test_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(db_url, metho
         r = client.request(method, path, headers={**client.tenant_headers, "Host": "evil.example"}, follow_redirects=False)
         assert "location" not in r.headers
         assert_error(r, 404, "not_found")
+
+
+# ---- robustness test 2: the HTTP parser and its head limit are pinned ----
+
+
+def test_the_http_parser_is_pinned_to_h11_with_the_header_limit(tmp_path):
+    """uvicorn's default ("auto") would take httptools when it is installed,
+    which has no head limit of its own; the 431 itself is tested live."""
+    from gateway.http_protocol import GatewayH11Protocol
+    from gateway.server import make_server
+
+    gateway = Gateway(config=GatewayConfig(max_header_bytes=12_345), store=None, engine=CountingEngine(),
+                      admission=None)
+    config = make_server(gateway).config
+    assert config.http is GatewayH11Protocol and config.h11_max_incomplete_event_size == 12_345
