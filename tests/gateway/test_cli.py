@@ -55,7 +55,8 @@ def test_serve_reports_a_bad_flag_value(tmp_path, capsys, monkeypatch):
 def test_admin_token_under_32_characters_is_refused_at_start(tmp_path, capsys, monkeypatch):
     """Finding 10d: any admin token was accepted, a one-letter one included."""
     monkeypatch.setenv("LORAGW_DATA_DIR", str(tmp_path / "data"))
-    assert main(["serve", "--admin-token", TOKEN[:-1]]) == 1
+    # A missing model too: were the token let through, serve would stop there, not serve forever.
+    assert main(["serve", "--admin-token", TOKEN[:-1], "--model", str(tmp_path / "missing")]) == 1
     assert "at least 32" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="at least 32"):
         GatewayConfig(admin_token=TOKEN[:-1])
@@ -77,7 +78,7 @@ def test_admin_token_file_empty_or_short_is_refused(tmp_path, capsys, monkeypatc
     monkeypatch.delenv("LORAGW_ADMIN_TOKEN", raising=False)
     path = tmp_path / "admin-token"
     path.write_text(content)
-    assert main(["serve", "--admin-token-file", str(path)]) == 1
+    assert main(["serve", "--admin-token-file", str(path), "--model", str(tmp_path / "missing")]) == 1
     assert "admin token" in capsys.readouterr().err
 
 
@@ -86,11 +87,12 @@ def test_admin_token_given_twice_is_refused(tmp_path, capsys, monkeypatch):
     path = tmp_path / "admin-token"
     path.write_text(TOKEN)
     monkeypatch.setenv("LORAGW_ADMIN_TOKEN", TOKEN)
-    assert main(["serve", "--admin-token-file", str(path)]) == 1
+    assert main(["serve", "--admin-token-file", str(path), "--model", str(tmp_path / "missing")]) == 1
     assert "once" in capsys.readouterr().err
     monkeypatch.delenv("LORAGW_ADMIN_TOKEN")
-    assert main(["serve", "--admin-token-file", str(tmp_path / "missing")]) == 1
-    assert "missing" in capsys.readouterr().err
+    assert main(["serve", "--admin-token-file", str(tmp_path / "no-token-file"),
+                 "--model", str(tmp_path / "missing")]) == 1
+    assert "no-token-file" in capsys.readouterr().err
 
 
 def test_metrics_port_and_demo_tenant_flags(monkeypatch):
