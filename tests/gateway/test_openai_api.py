@@ -22,9 +22,8 @@ from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
-from tests.gateway.live import run_with_store, start_live_server
+from tests.gateway.live import ADMIN_TOKEN, run_with_store, start_live_server
 
-ADMIN_TOKEN = "test-admin-token"
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Say something."}]
 
