@@ -17,8 +17,7 @@ from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
 from gateway.store.sql import SqlStore
 from tests.gateway.fakes import FakeEngineClient
-
-ADMIN_TOKEN = "admin-secret-token"
+from tests.gateway.live import ADMIN_TOKEN
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
