@@ -19,6 +19,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from gateway.schemas.text import StoredText
 
 MAX_STOP = 4
 _INT64 = 2**63
@@ -39,7 +40,7 @@ class _SamplingRequest(BaseModel):
     # other value is refused (see `unsupported_field`).
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {}), "best_of": (None, 1)}
 
-    model: str = Field(min_length=1, description="the base model's id, or an adapter: NAME or NAME@VERSION")
+    model: StoredText = Field(min_length=1, description="the base model's id, or an adapter: NAME or NAME@VERSION")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context window")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -49,7 +50,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = Field(None, max_length=256)
+    user: StoredText | None = Field(None, max_length=256)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Not in OpenAI's API; vLLM's names.
