@@ -19,6 +19,8 @@ from gateway.tenancy import Tier
 
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN, description="a-z 0-9 _ -, at most 64")]
+ADAPTER_NAME_PATTERN = r"^(?!.*\.\.)[a-z0-9][a-z0-9._-]{0,63}$"  # adapters.registry.validate_name
+ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]*)?$"  # NAME or NAME@VERSION
 # The limits are INTEGER columns (store.models.TenantRow): 32 bits on PostgreSQL.
 MAX_LIMIT = 2**31 - 1
 Limit = Annotated[PositiveInt | None, Field(le=MAX_LIMIT, description="None (null) means unlimited")]
@@ -67,6 +69,11 @@ class TenantUpdate(_In):
 
 
 class KeyCreate(_In):
+    # States the one-of rule below in /openapi.json too.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {
+        "required": ["expires_at", "expires_in"],
+        "properties": {"expires_at": {"type": "string"}, "expires_in": {"type": "integer"}}}})
+
     name: Annotated[StoredText, Field(min_length=1, max_length=128)] | None = None
     expires_at: AwareDatetime | None = None
     expires_in: PositiveInt | None = Field(default=None, le=MAX_KEY_LIFETIME_S, description="seconds from now")
@@ -90,7 +97,10 @@ class KeyCreate(_In):
 class AdapterUpload(_In):
     """The form fields of an adapter upload (the files come beside them)."""
 
-    name: str
+    # Checked by the registry (validate_name), with its own message; the
+    # pattern states the rule in /openapi.json.
+    name: Annotated[str, Field(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN},
+                               description="a-z 0-9 . _ -, at most 64, no '..'")]
     tenant: TenantName | None = None  # the owner; None for a platform adapter
     shared: bool = False  # usable by every tenant
 

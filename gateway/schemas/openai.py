@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from gateway.schemas.text import StoredText
@@ -25,6 +25,16 @@ MAX_STOP = 4
 _INT64 = 2**63
 
 _REQUEST = ConfigDict(extra="ignore", strict=True)
+
+# JSON schemas for /openapi.json of rules the validators below enforce with
+# their own messages (one prompt per request, non-empty stop strings).
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_ID = {"type": "integer", "minimum": 0}
+
+
+def _list(items: dict, *, min_items: int = 1, max_items: int | None = None) -> dict:
+    out = {"type": "array", "items": items, "minItems": min_items}
+    return out if max_items is None else {**out, "maxItems": max_items}
 
 
 class StreamOptions(BaseModel):
@@ -46,7 +56,9 @@ class _SamplingRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = Field(None, validate_default=True,
-                                         description=f"up to {MAX_STOP} non-empty stop strings")
+                                         description=f"up to {MAX_STOP} non-empty stop strings",
+                                         json_schema_extra={"anyOf": [_TEXT, _list(_TEXT, min_items=0, max_items=MAX_STOP),
+                                                                      {"type": "null"}]})
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -87,15 +99,11 @@ class _SamplingRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = _REQUEST
-    type: str
-    text: str | None = None
+    """Only text parts: an image or audio part is refused, not dropped."""
 
-    @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
-        return self
+    model_config = _REQUEST
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
@@ -106,7 +114,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -142,7 +150,9 @@ class CompletionRequest(_SamplingRequest):
         **_SamplingRequest.UNSUPPORTED, "echo": (None, False), "suffix": (None, "")}
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string, a list of one string, token ids, or a list of one token-id list")
+        description="a string, a list of one string, token ids, or a list of one token-id list",
+        json_schema_extra={"anyOf": [_TEXT, _list(_TEXT, max_items=1), _list(_TOKEN_ID),
+                                     _list(_list(_TOKEN_ID), max_items=1)]})
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def output_limit(self) -> tuple[int | None, str]:
