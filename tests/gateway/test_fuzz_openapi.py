@@ -10,6 +10,7 @@ same on every machine; docs/gateway.md has the command that reproduces one.
 
 from __future__ import annotations
 
+import os
 import time
 
 import hypothesis
@@ -27,8 +28,8 @@ from tests.gateway.live import seed_tenants, start_live_server
 
 ADMIN_TOKEN = "fuzz-admin-token"
 # Examples per operation and generation mode (valid and invalid input): about
-# a minute per store on the tiny model. Raise it locally to dig deeper.
-MAX_EXAMPLES = 20
+# half a minute per store on the tiny model. LORAGW_FUZZ_EXAMPLES digs deeper.
+MAX_EXAMPLES = int(os.environ.get("LORAGW_FUZZ_EXAMPLES", "20"))
 
 
 @pytest.fixture
