@@ -25,6 +25,7 @@ from gateway.json_body import load_json
 from gateway.schemas.admin import AdapterUpload, KeyCreate, ListOut, TenantCreate, TenantUpdate, parse
 from gateway.schemas.text import refuse_nul
 
+USAGE_QUERY = ("tenant", "since", "until", "group_by")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "pytorch_model.bin")
@@ -197,6 +198,12 @@ async def usage(request: Request, service: AdminService):
     from billing.ledger import Ledger
 
     q = request.query_params
+    # Like the admin bodies, which forbid unknown fields: a misspelt filter
+    # (`?tenat=acme`) must not quietly return every tenant's usage.
+    unknown = next((name for name in q if name not in USAGE_QUERY), None)
+    if unknown is not None:
+        raise InvalidRequest(f"unknown query parameter {unknown!r}; expected {', '.join(USAGE_QUERY)}",
+                             param=unknown)
     tenant = _stored(q.get("tenant"), "tenant")
     if tenant is not None:
         await service.get_tenant(tenant)
@@ -206,7 +213,7 @@ async def usage(request: Request, service: AdminService):
             bounds[param] = parse_time(q.get(param))
         except ValueError as exc:
             raise InvalidRequest(f"{param}: {exc}", param=param) from None
-    group_by = q.get("group_by") or "none"
+    group_by = q.get("group_by", "none")
     if group_by not in GROUP_BY:
         raise InvalidRequest(f"group_by must be one of {', '.join(GROUP_BY)}", param="group_by")
     gw = gateway_of(request)

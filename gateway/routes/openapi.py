@@ -52,8 +52,9 @@ _V1_ERRORS = (400, 401, 404, 413, 429, 503)
 _ADMIN_ERRORS = (400, 401, 404, 503)
 _ADMIN_BODY_ERRORS = (*_ADMIN_ERRORS, 413)
 
-_ISO_TIME = {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "format": "date-time"}],
-             "description": "an ISO date or datetime; without a zone, UTC"}
+_ISO_TIME = {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
+                       {"type": "string", "maxLength": 0}],
+             "description": "an ISO date or datetime; without a zone, UTC; empty: no bound"}
 _USAGE_QUERY = (
     ("tenant", {"type": "string", "pattern": adm.TENANT_NAME_PATTERN}),
     ("since", _ISO_TIME),

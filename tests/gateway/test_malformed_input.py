@@ -121,8 +121,19 @@ def test_huge_expires_in_is_a_bad_request(client, body, param):
     ("since=99999-01-01", "since"),
     ("until=2026-01-01%00", "until"),
     ("group_by=week", "group_by"),
+    ("group_by=", "group_by"),  # found by the fuzzer: an empty value was taken as the default
+    ("since=2000-01-01&tenat=acme", "tenat"),  # found by the fuzzer: a misspelt filter was ignored
 ])
 def test_extreme_since_is_a_bad_request(client, query, param):
     assert_error(client.get(f"/admin/usage?{query}", headers=ADMIN), 400, param=param)
     edges = client.get("/admin/usage?since=0001-01-01&until=9999-12-31T23:59:59.999999", headers=ADMIN)
     assert edges.status_code == 200 and edges.json()["data"] == []
+    assert client.get("/admin/usage?since=&until=", headers=ADMIN).status_code == 200  # empty: no bound
+
+
+def test_usage_query_parameters_are_the_ones_the_openapi_document_declares():
+    from gateway.routes.admin import USAGE_QUERY
+    from gateway.routes.openapi import build_document
+
+    declared = build_document()["paths"]["/admin/usage"]["get"]["parameters"]
+    assert [(p["name"], p["in"]) for p in declared] == [(name, "query") for name in USAGE_QUERY]
