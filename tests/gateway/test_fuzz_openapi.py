@@ -29,8 +29,8 @@ from tests.gateway.live import seed_tenants, start_live_server
 
 ADMIN_TOKEN = "fuzz-admin-token"
 # Examples per operation and generation mode (valid and invalid input): about
-# half a minute per store on the tiny model. LORAGW_FUZZ_EXAMPLES digs deeper.
-MAX_EXAMPLES = int(os.environ.get("LORAGW_FUZZ_EXAMPLES", "20"))
+# 20 to 40 seconds per store on the tiny model. LORAGW_FUZZ_EXAMPLES digs deeper.
+MAX_EXAMPLES = int(os.environ.get("LORAGW_FUZZ_EXAMPLES", "50"))
 
 
 @pytest.fixture
