@@ -105,6 +105,13 @@ class ContentPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: object) -> object:
+        if value != "text":  # say why, rather than a union's "Input should be a valid string"
+            raise ValueError(f"only text content parts are supported, got type {value!r}")
+        return value
+
 
 class ChatMessage(BaseModel):
     model_config = _REQUEST
