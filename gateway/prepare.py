@@ -9,7 +9,6 @@ offending field, so bad input never reaches the engine.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,6 +19,7 @@ from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
 from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequest
+from gateway.json_body import load_json
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
 R = TypeVar("R", bound=_SamplingRequest)
@@ -36,10 +36,7 @@ class Prepared:
 
 def parse_body(raw: bytes, schema: type[R]) -> R:
     """The validated request, or a 400 naming the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     unsupported = schema.unsupported_field(body)
