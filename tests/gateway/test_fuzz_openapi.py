@@ -26,9 +26,8 @@ from gateway.config import GatewayConfig
 from gateway.routes.openapi import OPERATIONS
 from gateway.server import build_gateway
 from gateway.tenancy import Tier
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server
 
-ADMIN_TOKEN = "fuzz-admin-token"
 # Examples per operation and generation mode (valid and invalid input): about
 # 20 to 40 seconds per store on the tiny model. LORAGW_FUZZ_EXAMPLES digs deeper.
 MAX_EXAMPLES = int(os.environ.get("LORAGW_FUZZ_EXAMPLES", "50"))
