@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 import httpx
 
@@ -70,24 +71,25 @@ def test_ghost_request_a_client_that_hangs_up_while_queued_is_aborted_before_pre
     try:
         # A long stream holds the engine's only sequence slot (its client
         # reads nothing: the engine runs on regardless) ...
-        long_stream = send_request(server.url, "/v1/completions", {
-            "model": server.model, "prompt": "Once upon a time", "max_tokens": 1900, "min_tokens": 1900,
-            "temperature": 0.0, "stream": True}, key, request_id="long")
-        wait_for(lambda: gw.engine.stats().num_running[Tier.STANDARD] == 1, 30, "the long stream to run")
-        # ... so this one waits in the queue, and its client gives up there.
-        ghost = send_request(server.url, "/v1/completions", {
-            "model": server.model, "prompt": _prompt(0), "max_tokens": 16, "temperature": 0.0},
-            key, request_id="ghost")
-        wait_for(lambda: gw.engine.stats().num_waiting[Tier.STANDARD] == 1, 30, "the ghost to queue")
-        hang_up(ghost)
-        wait_for(lambda: any(client_request_id(r.request_id) == "ghost" for r in seen.ended), 5,
-                 "the gateway to end the ghost")
-        # Its queue slot is free while the request ahead of it still runs.
-        stats = gw.engine.stats()
-        assert stats.num_running[Tier.STANDARD] == 1 and stats.num_waiting[Tier.STANDARD] == 0
-        assert gw.in_flight == 1
-        assert gw.admission.snapshot()["standard"] == {"waiting": 0, "queued_tokens": 0, "rejected": {}}
-        hang_up(long_stream)
+        with send_request(server.url, "/v1/completions", {
+                "model": server.model, "prompt": "Once upon a time", "max_tokens": 1900, "min_tokens": 1900,
+                "temperature": 0.0, "stream": True}, key, request_id="long"):
+            wait_for(lambda: gw.engine.stats().num_running[Tier.STANDARD] == 1, 30, "the long stream to run")
+            # ... so this one waits in the queue, and its client gives up there.
+            ghost = send_request(server.url, "/v1/completions", {
+                "model": server.model, "prompt": _prompt(0), "max_tokens": 16, "temperature": 0.0},
+                key, request_id="ghost")
+            with ghost:
+                wait_for(lambda: gw.engine.stats().num_waiting[Tier.STANDARD] == 1, 30, "the ghost to queue")
+                hang_up(ghost)
+            wait_for(lambda: any(client_request_id(r.request_id) == "ghost" for r in seen.ended), 5,
+                     "the gateway to end the ghost")
+            assert gw.in_flight == 1
+            assert gw.admission.snapshot()["standard"] == {"waiting": 0, "queued_tokens": 0, "rejected": {}}
+            # The engine thread applies the abort between two steps: the
+            # ghost's queue slot is free while the request ahead still runs.
+            wait_for(lambda: gw.engine.stats().num_waiting[Tier.STANDARD] == 0, 5, "the engine to drop the ghost")
+            assert gw.engine.stats().num_running[Tier.STANDARD] == 1
     finally:
         server.stop()  # settles and flushes the spool to the ledger
 
@@ -111,13 +113,15 @@ def test_abort_storm_frees_every_slot_and_kv_block_and_bills_each_request_once(t
     seen = CountingObserver()
     gw.observers.append(seen)
     try:
-        sockets = [send_request(server.url, *_storm_request(server.model, i), key, request_id=f"storm-{i}")
-                   for i in range(STORM)]
-        wait_for(lambda: len(seen.started) == STORM, 120, "every storm request to be admitted")
-        cancel_start = time.monotonic()
-        for i, sock in enumerate(sockets):
-            hang_up(sock, reset=i % 3 == 0)
-        assert time.monotonic() - cancel_start < 0.5
+        with ExitStack() as connections:
+            sockets = [connections.enter_context(
+                send_request(server.url, *_storm_request(server.model, i), key, request_id=f"storm-{i}"))
+                for i in range(STORM)]
+            wait_for(lambda: len(seen.started) == STORM, 120, "every storm request to be admitted")
+            cancel_start = time.monotonic()
+            for i, sock in enumerate(sockets):
+                hang_up(sock, reset=i % 3 == 0)
+            assert time.monotonic() - cancel_start < 0.5
 
         fresh_start = time.monotonic()
         r = httpx.post(f"{server.url}/v1/completions", timeout=5, headers={
