@@ -15,11 +15,11 @@ from contextlib import ExitStack
 
 import httpx
 
-from billing.records import REQUEST
 from gateway.config import TierLimits
 from gateway.tenancy import TenantLimits, Tier
 from tests.billing.live_helpers import ledger_records, start_billing_server
-from tests.gateway.hangups import CountingObserver, client_request_id, hang_up, send_request
+from tests.gateway.hangups import (CountingObserver, admission_empty, client_request_id, engine_idle, hang_up,
+                                   request_records_by_client, send_request)
 from tests.gateway.live import wait_for
 
 STORM = 200
@@ -40,25 +40,6 @@ def _storm_request(model: str, i: int) -> tuple[str, dict]:
         return "/v1/chat/completions", {**body, "messages": [
             {"role": "user", "content": f"Request {i}: " + "tell me more " * (PROMPT_TOKENS // 3)}]}
     return "/v1/completions", {**body, "prompt": _prompt(i)}
-
-
-def _engine_idle(gw) -> bool:
-    stats = gw.engine.stats()
-    return (not any(stats.num_running.values()) and not any(stats.num_waiting.values())
-            and stats.kv_used_blocks == 0)
-
-
-def _admission_empty(gw) -> bool:
-    return gw.in_flight == 0 and all(s["waiting"] == 0 and s["queued_tokens"] == 0
-                                     for s in gw.admission.snapshot().values())
-
-
-def _request_records(db_url: str) -> dict[str, list]:
-    by_client: dict[str, list] = {}
-    for r in ledger_records(db_url):
-        if r.kind == REQUEST:
-            by_client.setdefault(client_request_id(r.request_id), []).append(r)
-    return by_client
 
 
 def test_ghost_request_a_client_that_hangs_up_while_queued_is_aborted_before_prefill(
@@ -93,7 +74,7 @@ def test_ghost_request_a_client_that_hangs_up_while_queued_is_aborted_before_pre
     finally:
         server.stop()  # settles and flushes the spool to the ledger
 
-    [record] = _request_records(db_url)["ghost"]
+    [record] = request_records_by_client(db_url)["ghost"]
     assert record.finish_reason == "client_disconnect"
     assert record.gpu_us == 0 and record.completion_tokens == 0  # never prefilled, never decoded
     assert record.queue_us is None and record.ttft_us is None  # never scheduled
@@ -132,13 +113,13 @@ def test_abort_storm_frees_every_slot_and_kv_block_and_bills_each_request_once(t
         assert time.monotonic() - fresh_start < 5
 
         wait_for(lambda: len(seen.ended) == STORM + 1, 10, "every request to end")
-        wait_for(lambda: _engine_idle(gw), 10, "the engine to free every sequence and KV block")
-        assert _admission_empty(gw)
+        wait_for(lambda: engine_idle(gw), 10, "the engine to free every sequence and KV block")
+        wait_for(lambda: admission_empty(gw), 5, "every admission slot to be released")
         gw.engine._engine.engine.scheduler.kv.check_invariants()  # idle: nothing steps under us
     finally:
         server.stop()
 
-    by_client = _request_records(db_url)
+    by_client = request_records_by_client(db_url)
     assert Counter({cid: len(rows) for cid, rows in by_client.items()}) == Counter(
         {**{f"storm-{i}": 1 for i in range(STORM)}, "fresh": 1})
     storm = [rows[0] for cid, rows in by_client.items() if cid != "fresh"]
