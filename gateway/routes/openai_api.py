@@ -141,9 +141,20 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     streaming = False
     try:
         outputs = gw.engine.generate(engine_request)
+        first = None
+
+        async def wait_first() -> None:
+            nonlocal first
+            first = await anext(outputs)
+
         # Wait for the first output before answering: an engine that refuses
         # the request then still gets its proper status, not a broken stream.
-        first = await anext(outputs)
+        # A client that hangs up meanwhile (it is likely queued) is aborted at
+        # once: cancelling the wait closes the engine's iterator, which aborts
+        # the request before it takes a queue slot's turn or any prefill.
+        if not await run_until_disconnect(request.receive, wait_first):
+            lifecycle.client_left()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         lifecycle.saw(check_output(first))
         if body.stream:
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
