@@ -16,6 +16,7 @@ from typing import Callable
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.auth_cache import AuthCache
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import install_error_handlers
@@ -47,6 +48,15 @@ class Gateway:
     metrics: object | None = None  # gateway.metrics.GatewayMetrics, served at /metrics
     tracing: object | None = None  # gateway.tracing.Tracing
     slo: object | None = None  # gateway.slo.SloMonitor
+    # Principals and adapter grants in front of the store; built from the
+    # config when not given.
+    auth: AuthCache | None = None
+
+    def __post_init__(self) -> None:
+        if self.auth is None:
+            c = self.config
+            self.auth = AuthCache(self.store, ttl_s=c.auth_cache_ttl_s, stale_s=c.auth_cache_stale_s,
+                                  max_entries=c.auth_cache_max_entries, clock=self.clock)
 
     @property
     def served_model_name(self) -> str:
