@@ -20,7 +20,7 @@ from engine.errors import EngineDeadError
 from engine.errors import ValidationError as EngineValidationError
 from gateway.engine_client import EngineNotReady
 from gateway.store.base import Conflict, NotFound, StoreUnavailable
-from gateway.store.outage import database_unavailable
+from gateway.store.outage import OUTAGE_ERROR_TYPES, database_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def install_error_handlers(app: Starlette) -> None:
     # and is done. A handler for bare `Exception` runs in
     # ServerErrorMiddleware, which re-raises after answering (so the server
     # logs a traceback): keep that path for real 500s only.
-    for expected in (APIError, EngineValidationError, NotFound, Conflict, StoreUnavailable, EngineDeadError,
-                     EngineNotReady, HTTPException):
+    for expected in (APIError, EngineValidationError, NotFound, Conflict, EngineDeadError, EngineNotReady,
+                     HTTPException) + OUTAGE_ERROR_TYPES:
         app.add_exception_handler(expected, handle)
     app.add_exception_handler(Exception, handle)

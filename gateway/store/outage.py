@@ -32,6 +32,14 @@ else:
 _NETWORK_ERRORS = (ConnectionError, TimeoutError)
 
 
+# Every exception type `database_unavailable` may say yes to: the error
+# handlers catch these as expected errors (a non-outage one among them is
+# still a logged 500).
+OUTAGE_ERROR_TYPES: tuple[type[BaseException], ...] = (
+    StoreUnavailable, sa_exc.DBAPIError, sa_exc.TimeoutError, sa_exc.DisconnectionError) + _ASYNCPG_ERRORS + \
+    _NETWORK_ERRORS
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """True for a failure to reach or hear from the database."""
     if isinstance(exc, StoreUnavailable):
