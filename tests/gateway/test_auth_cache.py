@@ -13,19 +13,12 @@ from gateway.auth_cache import AuthCache
 from gateway.store.base import NotFound, StoreUnavailable
 from gateway.store.sql import SqlStore
 from gateway.tenancy import TenantLimits, Tier
+from tests.gateway.fakes import ManualClock
 
 pytestmark = pytest.mark.anyio
 
 TTL_S, STALE_S = 5.0, 60.0
 NOW = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class CountingStore:
@@ -55,7 +48,7 @@ class CountingStore:
 async def env(db_url):
     store = SqlStore.from_url(db_url)
     counting = CountingStore(store)
-    clock = Clock()
+    clock = ManualClock()
     cache = AuthCache(counting, ttl_s=TTL_S, stale_s=STALE_S, max_entries=8, clock=clock)
     await store.create_tenant("acme", Tier.STANDARD, TenantLimits(requests_per_minute=10))
     key = await store.create_key("acme", now=NOW)

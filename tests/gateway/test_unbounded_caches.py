@@ -19,14 +19,7 @@ from gateway.engine_client import KVCapacity
 from gateway.errors import RateLimited
 from gateway.metrics import OTHER, GatewayMetrics
 from gateway.tenancy import Principal, Tenant, TenantLimits, Tier
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.gateway.fakes import ManualClock
 
 
 def _principal(name: str, **limits) -> Principal:
@@ -41,7 +34,7 @@ def _controller(clock) -> AdmissionController:
 
 
 def test_unbounded_caches_admission_forgets_idle_and_deleted_tenants():
-    clock = Clock()
+    clock = ManualClock()
     ctl = _controller(clock)
     for batch in range(20):  # 10,000 tenants, 500 a minute, none seen twice
         for i in range(500):
@@ -60,7 +53,7 @@ def test_unbounded_caches_admission_forgets_idle_and_deleted_tenants():
 
 
 def test_unbounded_caches_forgetting_idle_tenants_never_forgives_a_limited_one():
-    clock = Clock()
+    clock = ManualClock()
     ctl = _controller(clock)
     hog = _principal("hog", requests_per_minute=1)
     busy = _principal("busy", max_concurrent=1)
@@ -103,7 +96,7 @@ class _NoEngine:
 
 
 def test_unbounded_caches_metrics_tenant_labels_stay_within_their_limit():
-    ctl = _controller(Clock())
+    ctl = _controller(ManualClock())
     metrics = GatewayMetrics(engine=_NoEngine(), admission=ctl, max_tenant_labels=8)
     for i in range(2000):
         metrics.count_usage(tenant=f"tenant-{i}", gpu_us=10, prompt_tokens=1, completion_tokens=1)
