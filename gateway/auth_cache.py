@@ -16,6 +16,11 @@ The bounds an operator can rely on:
   recently active keep working through a short outage; everyone else gets
   the 503. Nothing can be revoked while the database is down, so this only
   extends what the database last said.
+- Failing fast: after a lookup found the database unavailable, for
+  `outage_recheck_s` (1 s) lookups do not ask it again: stale entries answer
+  at once and misses get `StoreUnavailable` at once, instead of each
+  request waiting out a connect timeout against a silent database (and a
+  database on its way back up is not met by the whole backlog at once).
 - Size: each map is an LRU of `max_entries`. Only what the database
   confirmed is kept; an unknown key, tenant or adapter name is never
   cached. Caching misses would buy nothing against random keys (each one
@@ -80,11 +85,13 @@ class _Lru(Generic[V]):
 
 class AuthCache:
     def __init__(self, store: Store, *, ttl_s: float, stale_s: float, max_entries: int,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], outage_recheck_s: float = 1.0):
         self.store = store
         self.ttl_s = ttl_s
         self.stale_s = stale_s
+        self.outage_recheck_s = outage_recheck_s
         self._clock = clock
+        self._unavailable_until = float("-inf")  # the clock's time to ask the database again
         self._principals: _Lru[Principal] = _Lru(max_entries)  # key hash -> principal
         self._grants: _Lru[AdapterGrant] = _Lru(max_entries)  # adapter name -> grant
         self._visible: _Lru[tuple[AdapterGrant, ...]] = _Lru(max_entries)  # tenant name -> its usable grants
@@ -127,10 +134,16 @@ class AuthCache:
         entry = lru.get(key)
         if entry is not None and now - entry.fetched_at < self.ttl_s:
             return entry.value
+        usable_stale = entry is not None and now - entry.fetched_at < self.ttl_s + self.stale_s
+        if now < self._unavailable_until:
+            if usable_stale:
+                return entry.value
+            raise StoreUnavailable("the database is unavailable (it failed a moment ago)")
         try:
             value = await fetch()
         except StoreUnavailable:
-            if entry is not None and now - entry.fetched_at < self.ttl_s + self.stale_s:
+            self._unavailable_until = self._clock() + self.outage_recheck_s
+            if usable_stale:
                 return entry.value
             raise
         except NotFound:

@@ -115,7 +115,29 @@ async def test_db_outage_recent_keys_and_grants_serve_from_the_stale_window_unse
     with pytest.raises(StoreUnavailable):
         await cache.authenticate(key.secret, now=NOW)
     counting.down = False
+    clock.now += cache.outage_recheck_s
     assert await cache.authenticate(unseen.secret, now=NOW) is not None
+
+
+async def test_db_outage_lookups_fail_fast_for_a_moment_after_the_database_failed(env):
+    store, counting, clock, cache, key = env
+    principal = await cache.authenticate(key.secret, now=NOW)
+    unseen = await store.create_key("acme", now=NOW)
+    clock.now += TTL_S - 0.5
+    counting.down, asked = True, counting.lookups
+    with pytest.raises(StoreUnavailable):
+        await cache.authenticate(unseen.secret, now=NOW)
+    assert counting.lookups == asked + 1
+    clock.now += 0.6  # stale now, and within the fail-fast second: served without asking, misses refused
+    for _ in range(10):
+        assert await cache.authenticate(key.secret, now=NOW) == principal
+        with pytest.raises(StoreUnavailable):
+            await cache.authenticate(unseen.secret, now=NOW)
+    assert counting.lookups == asked + 1
+    counting.down = False
+    clock.now += cache.outage_recheck_s  # asked again, and back
+    assert await cache.authenticate(unseen.secret, now=NOW) is not None
+    assert counting.lookups == asked + 2
 
 
 async def test_db_hot_path_misses_are_never_cached(env):
