@@ -161,6 +161,12 @@ class Meter:
                 self._charge_overhead(rest)
             for usage, share in zip(step.requests, shares):
                 self._charge(usage, share)
+            # A payer is kept only for a sequence of an open request (settle
+            # drops it); one nobody registered, or already settled, is
+            # overhead anyway and would otherwise stay here for good.
+            for p in step.preemptions:
+                if p.victim_id not in self._seq_group:
+                    self._payer.pop(p.victim_id, None)
             self.steps_seen += 1
 
     def _payer_of(self, caused_by: str | None) -> tuple[str | None, Account]:

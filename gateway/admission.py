@@ -33,6 +33,9 @@ from gateway.tenancy import Principal, Tier
 
 # How many recent first-token times estimate a tier's drain rate.
 _RATE_WINDOW = 32
+# Tenant states are swept for idle ones once there are this many, then
+# whenever their number doubles since the last sweep.
+_MIN_SWEEP_AT = 1024
 _DEFAULT_RETRY_S = 1.0
 
 
@@ -65,6 +68,10 @@ class TokenBucket:
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
 
+    def full(self, now: float) -> bool:
+        self._refill(now)
+        return self.level >= self.capacity
+
 
 @dataclass
 class _TierState:
@@ -94,6 +101,11 @@ class _TenantState:
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
     limits_seen: tuple = ()
+
+    def idle(self, now: float) -> bool:
+        """No request in flight and every bucket full again: the same as a
+        fresh state, so it can be forgotten."""
+        return self.active == 0 and all(b is None or b.full(now) for b in (self.requests, self.tokens))
 
 
 class Ticket:
@@ -134,7 +146,11 @@ class AdmissionController:
         self._capacity = capacity
         self._clock = clock
         self._tiers = {tier: _TierState(limits) for tier, limits in tiers.items()}
+        # Keyed by tenant id; idle states are dropped (see `_sweep`), so
+        # this holds about the tenants active in the last minute, deleted
+        # tenants' included only until their buckets refill.
         self._tenants: dict[str, _TenantState] = {}
+        self._sweep_at = _MIN_SWEEP_AT
 
     def admit(self, principal: Principal, *, prompt_tokens: int, max_tokens: int) -> Ticket:
         """A ticket for the request, or RateLimited naming the limit hit.
@@ -227,13 +243,29 @@ class AdmissionController:
 
     def _tenant_state(self, principal: Principal, now: float) -> _TenantState:
         limits = principal.tenant.limits
-        state = self._tenants.setdefault(principal.tenant.id, _TenantState())
+        state = self._tenants.get(principal.tenant.id)
+        if state is None:
+            if len(self._tenants) >= self._sweep_at:
+                self._sweep(now)
+            state = self._tenants[principal.tenant.id] = _TenantState()
         seen = (limits.requests_per_minute, limits.tokens_per_minute)
         if seen != state.limits_seen:  # new tenant, or its limits were updated
             state.limits_seen = seen
             state.requests = None if seen[0] is None else TokenBucket(seen[0], 60.0, now)
             state.tokens = None if seen[1] is None else TokenBucket(seen[1], 60.0, now)
         return state
+
+    def _sweep(self, now: float) -> None:
+        """Forget idle tenant states. Run when the map reaches `_sweep_at`,
+        which then doubles the live states left: amortized O(1) per new
+        tenant, and never more than about twice the non-idle states."""
+        for tenant_id in [t for t, s in self._tenants.items() if s.idle(now)]:
+            del self._tenants[tenant_id]
+        self._sweep_at = max(_MIN_SWEEP_AT, 2 * len(self._tenants))
+
+    def tracked_tenants(self) -> int:
+        """Tenant states held, for tests and metrics."""
+        return len(self._tenants)
 
     def _leave_queue(self, ticket: Ticket, *, started: bool) -> None:
         tier = self._tiers[ticket.tier]

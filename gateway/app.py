@@ -17,6 +17,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.auth_cache import AuthCache
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
@@ -52,6 +53,15 @@ class Gateway:
     # Bounds the worker threads that parse, template and tokenize /v1
     # requests (gateway.prepare); set by create_app from the config.
     prepare_limiter: anyio.CapacityLimiter | None = None
+    # Principals and adapter grants in front of the store; built from the
+    # config when not given.
+    auth: AuthCache | None = None
+
+    def __post_init__(self) -> None:
+        if self.auth is None:
+            c = self.config
+            self.auth = AuthCache(self.store, ttl_s=c.auth_cache_ttl_s, stale_s=c.auth_cache_stale_s,
+                                  max_entries=c.auth_cache_max_entries, clock=self.clock)
 
     @property
     def served_model_name(self) -> str:

@@ -65,6 +65,7 @@ def _add_serve_parser(sub) -> None:
       help="seconds a standard request may expect to queue before its first token, else 429 (0: no bound)")
     f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
     f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    _add_auth_cache_flags(f)
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_observability_flags(f)
     _add_exposure_flags(f)
@@ -96,6 +97,19 @@ def _add_exposure_flags(f) -> None:
     f("--metrics-host", default=GatewayConfig.metrics_host, help="interface of the --metrics-port listener")
     f("--demo-tenant", action="store_true",
       help="create the 'demo' tenant on an empty --db too (always done for the default SQLite database)")
+
+
+def _add_auth_cache_flags(f) -> None:
+    from gateway.config import GatewayConfig
+
+    d = GatewayConfig()
+    f("--auth-cache-ttl", type=float, default=d.auth_cache_ttl_s,
+      help="seconds an API key's tenant and the adapter grants are reused before the database is asked again: "
+           "the bound on how late a revocation or limit change takes effect (0: ask every time)")
+    f("--auth-cache-stale", type=float, default=d.auth_cache_stale_s,
+      help="while the database is unavailable, seconds past the TTL that recently used keys keep working")
+    f("--auth-cache-size", type=int, default=d.auth_cache_max_entries,
+      help="most keys (and, apart, adapter grants) held in the auth cache; least recently used go first")
 
 
 def _add_observability_flags(f) -> None:
@@ -158,7 +172,9 @@ def _serve_config(args: argparse.Namespace):
         slo=_slo_config(args), prices=cli_usage.price_book(args), metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, demo_tenant=args.demo_tenant, max_request_bytes=args.max_request_bytes,
         max_upload_bytes=args.max_upload_bytes, max_header_bytes=args.max_header_bytes,
-        prepare_threads=args.prepare_threads)
+        prepare_threads=args.prepare_threads,
+        auth_cache_ttl_s=args.auth_cache_ttl, auth_cache_stale_s=args.auth_cache_stale,
+        auth_cache_max_entries=args.auth_cache_size)
 
 
 def _serve(args: argparse.Namespace) -> int:

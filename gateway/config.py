@@ -76,6 +76,13 @@ class GatewayConfig:
     metrics_adapter_labels: int = 16
     metrics_tenant_labels: int = 32
     slo: SloConfig = field(default_factory=SloConfig)
+    # The auth cache (gateway/auth_cache.py): a key's principal and the
+    # adapter grants are reused this long, so revocation, tenant deletion and
+    # limit changes take effect within auth_cache_ttl_s; while the database
+    # is down, recently used entries serve auth_cache_stale_s longer.
+    auth_cache_ttl_s: float = 5.0
+    auth_cache_stale_s: float = 60.0
+    auth_cache_max_entries: int = 10_000
 
     def __post_init__(self):
         if self.admin_token is not None and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS:

@@ -27,12 +27,13 @@ def bearer_token(request: Request) -> str | None:
 
 
 async def require_principal(request: Request) -> Principal:
-    """The tenant behind the request's API key, or 401."""
+    """The tenant behind the request's API key (through the auth cache), or
+    401; 503 when the database is down and the key is not cached."""
     token = bearer_token(request)
     if token is None:
         raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'")
     gw = gateway_of(request)
-    principal = await gw.store.authenticate(token, now=gw.wall_clock())
+    principal = await gw.auth.authenticate(token, now=gw.wall_clock())
     if principal is None:
         raise AuthenticationFailed("invalid API key")
     return principal

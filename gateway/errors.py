@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse
 from engine.errors import EngineDeadError
 from engine.errors import ValidationError as EngineValidationError
 from gateway.engine_client import EngineNotReady
-from gateway.store.base import Conflict, NotFound
+from gateway.store.base import Conflict, NotFound, StoreUnavailable
+from gateway.store.outage import OUTAGE_ERROR_TYPES, database_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,11 @@ class ServiceUnavailable(APIError):
     status, type, code = 503, "service_unavailable", "service_unavailable"
 
 
+# How soon a client should retry after a database outage's 503: long
+# enough not to hammer a database on its way back up.
+DATABASE_RETRY_AFTER_S = 2
+
+
 class InternalError(APIError):
     pass
 
@@ -114,6 +120,11 @@ def to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailable("the inference engine is not running", code="engine_unavailable")
     if isinstance(exc, EngineNotReady):
         return ServiceUnavailable(f"the model is not ready: {exc}", code="engine_not_ready")
+    if database_unavailable(exc):
+        if not isinstance(exc, StoreUnavailable):
+            log.warning("database unavailable: %s: %s", type(exc).__name__, exc)
+        return ServiceUnavailable("the database is unavailable; retry shortly", code="database_unavailable",
+                                  headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)})
     if isinstance(exc, HTTPException):
         error = {404: ResourceNotFound, 405: InvalidRequest, 401: AuthenticationFailed}.get(exc.status_code, APIError)
         out = error(exc.detail or "error")
@@ -139,6 +150,6 @@ def install_error_handlers(app: Starlette) -> None:
     # ServerErrorMiddleware, which re-raises after answering (so the server
     # logs a traceback): keep that path for real 500s only.
     for expected in (APIError, EngineValidationError, NotFound, Conflict, EngineDeadError, EngineNotReady,
-                     HTTPException):
+                     HTTPException) + OUTAGE_ERROR_TYPES:
         app.add_exception_handler(expected, handle)
     app.add_exception_handler(Exception, handle)

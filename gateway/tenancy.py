@@ -39,6 +39,8 @@ class Principal:
 
     tenant: Tenant
     key_id: str
+    # The key's own expiry, so a cached principal never outlives its key.
+    key_expires_at: dt.datetime | None = None
 
     @property
     def cache_salt(self) -> str:

@@ -54,6 +54,10 @@ def admin_endpoint(handler: Callable[[Request, AdminService], Awaitable[object]]
     async def endpoint(request: Request) -> JSONResponse:
         require_admin(request)
         result = await handler(request, service_of(request))
+        if request.method != "GET":
+            # A change made here takes effect on this replica at once; the
+            # others see it within the auth cache's TTL.
+            gateway_of(request).auth.clear()
         if isinstance(result, list):
             result = ListOut(data=[item.model_dump(mode="json") for item in result])
         return JSONResponse(result.model_dump(mode="json"), status_code=status)

@@ -62,7 +62,7 @@ async def list_models(request: Request) -> JSONResponse:
     registry = gw.registry
     if registry is not None:
         tenant = principal.tenant.name
-        grants = {g.name: g for g in await gw.store.list_adapter_grants(visible_to=tenant)}
+        grants = {g.name: g for g in await gw.auth.visible_grants(tenant)}
         for manifest in registry.list():
             grant = grants.get(manifest.name)
             if grant is None:
@@ -91,7 +91,7 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
         raise not_found
     name = model.partition("@")[0]
     try:
-        grant = await gw.store.get_adapter_grant(name)
+        grant = await gw.auth.adapter_grant(name)
     except NotFound:
         raise not_found from None
     if not (grant.shared or grant.owner == principal.tenant.name):

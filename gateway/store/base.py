@@ -2,7 +2,7 @@
 
 Every method is a coroutine and commits its own transaction. Lookups of
 something absent raise `NotFound`; creating something that exists raises
-`Conflict`. Time is passed in (`now`) so that expiry is testable without
+`Conflict`; a database that cannot be reached raises `StoreUnavailable`. Time is passed in (`now`) so that expiry is testable without
 sleeping. Tenants are addressed by name in every method.
 """
 
@@ -27,6 +27,12 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     pass
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached or did not answer in time (refused or
+    dropped connections, timeouts, an exhausted pool). Transient: the
+    request may be retried, so the API answers 503 with Retry-After."""
 
 
 class Store(abc.ABC):

@@ -16,12 +16,29 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway import keys
 from gateway.store.base import Conflict, NotFound, Store
+from gateway.store.outage import guard_unavailable
 from gateway.store.models import AdapterGrantRow, ApiKeyRow, TenantRow
 from gateway.tenancy import AdapterGrant, ApiKeyInfo, IssuedKey, Principal, Tenant, TenantLimits, Tier
 
 
+# A dead database must fail a request in seconds, not hang it: asyncpg
+# waits 60 s to connect by default and SQLAlchemy's pool 30 s for a free
+# connection. The command timeout bounds a query on a connection whose peer
+# went silent (no RST), and stays generous for usage exports.
+CONNECT_TIMEOUT_S = 5.0
+POOL_TIMEOUT_S = 5.0
+COMMAND_TIMEOUT_S = 60.0
+
+
 def create_engine(url: str, **kwargs) -> AsyncEngine:
-    """An async engine for `url`; on SQLite with foreign keys enforced."""
+    """An async engine for `url`; on SQLite with foreign keys enforced.
+    Connections are checked before use (`pool_pre_ping`), so those a
+    database restart killed are replaced instead of failing a request."""
+    kwargs.setdefault("pool_pre_ping", True)
+    if url.startswith("postgresql"):
+        kwargs.setdefault("pool_timeout", POOL_TIMEOUT_S)
+        kwargs["connect_args"] = {"timeout": CONNECT_TIMEOUT_S, "command_timeout": COMMAND_TIMEOUT_S,
+                                  **kwargs.get("connect_args", {})}
     engine = create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine.sync_engine, "connect")
@@ -32,6 +49,7 @@ def create_engine(url: str, **kwargs) -> AsyncEngine:
     return engine
 
 
+@guard_unavailable
 class SqlStore(Store):
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
@@ -130,7 +148,7 @@ class SqlStore(Store):
             return None
         if key.revoked_at is not None or (key.expires_at is not None and key.expires_at <= now):
             return None
-        return Principal(tenant=_tenant(tenant), key_id=key.id)
+        return Principal(tenant=_tenant(tenant), key_id=key.id, key_expires_at=key.expires_at)
 
     # ---- adapter grants ----
 

@@ -71,3 +71,13 @@ class FakeEngineClient(EngineClient):
     @property
     def adapter_registry(self) -> AdapterRegistry:
         return self._registry
+
+
+class ManualClock:
+    """A monotonic clock that moves only when a test sets `now`."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

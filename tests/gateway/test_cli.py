@@ -114,3 +114,15 @@ def test_metrics_port_and_demo_tenant_flags(monkeypatch):
     monkeypatch.setenv("LORAGW_DEMO_TENANT", "1")
     config = _serve_config(_serve_args(["--metrics-host", "0.0.0.0"]))
     assert config.metrics_port == 9464 and config.metrics_host == "0.0.0.0" and config.demo_tenant
+
+
+def test_auth_cache_flags_default_to_the_config_and_their_env_variables(monkeypatch):
+    from gateway.config import GatewayConfig
+
+    default = _serve_config(_serve_args([]))
+    d = GatewayConfig()
+    assert (default.auth_cache_ttl_s, default.auth_cache_stale_s, default.auth_cache_max_entries) == (
+        d.auth_cache_ttl_s, d.auth_cache_stale_s, d.auth_cache_max_entries)
+    monkeypatch.setenv("LORAGW_AUTH_CACHE_TTL", "2.5")
+    config = _serve_config(_serve_args(["--auth-cache-stale", "0", "--auth-cache-size", "100"]))
+    assert (config.auth_cache_ttl_s, config.auth_cache_stale_s, config.auth_cache_max_entries) == (2.5, 0.0, 100)
