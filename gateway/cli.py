@@ -35,6 +35,8 @@ def engine_threads_beside_the_server() -> int:
 
 
 def _add_serve_parser(sub) -> None:
+    from gateway.config import GatewayConfig
+
     serve = sub.add_parser("serve", help="run the HTTP gateway (OpenAI-compatible API and admin API)")
     f = functools.partial(_env_flag, serve)
     f("--host", default="127.0.0.1", help="interface to listen on")
@@ -64,6 +66,9 @@ def _add_serve_parser(sub) -> None:
       help="seconds a standard request may expect to queue before its first token, else 429 (0: no bound)")
     f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
     f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    f("--max-stream-seconds", type=float, default=GatewayConfig.max_stream_seconds,
+      help="a streamed response's longest life; past it the request is aborted and the stream ends with an "
+           "error event (0: no limit)")
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_observability_flags(f)
     cli_usage.add_price_flag(serve)
@@ -111,6 +116,7 @@ def _serve_config(args: argparse.Namespace):
         premium=TierLimits(max_waiting=args.premium_max_waiting),
         standard=TierLimits(max_waiting=args.standard_max_waiting,
                             max_queue_wait_s=args.standard_max_queue_wait or None), drain_timeout_s=args.drain_timeout,
+        max_stream_seconds=args.max_stream_seconds or None,
         metrics_adapter_labels=args.metrics_adapter_labels, metrics_tenant_labels=args.metrics_tenant_labels,
         slo=_slo_config(args), prices=cli_usage.price_book(args))
 

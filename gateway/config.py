@@ -42,6 +42,12 @@ class GatewayConfig:
     premium: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
     standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64, max_queue_wait_s=10.0))
     drain_timeout_s: float = 30.0
+    # A stream's longest life, from its first byte; then it is aborted and
+    # ends with an error event. Ten minutes is the OpenAI Python client's own
+    # default timeout, and time for a max-length answer at a few tokens per
+    # second under load; it bounds how long a stalled reader holds a sequence
+    # slot and its undelivered output. None: no deadline.
+    max_stream_seconds: float | None = 600.0
     max_upload_bytes: int = 256 * 1024 * 1024
     data_dir: Path | None = None  # None: $LORAGW_DATA_DIR or the user data dir
     prices: PriceBook = field(default_factory=PriceBook)  # per tier, applied to usage exports

@@ -12,13 +12,14 @@ from gateway.openai_format import ResponseFormat
 from gateway.streaming import completion_events
 
 
-def _out(*deltas: tuple[int, str, str | None], error: str | None = None) -> RequestOutput:
-    """One engine update: (choice index, new text, finish_reason) per choice."""
-    outputs = [CompletionOutput(index=i, text=text, token_ids=[7] * len(text), finish_reason=finish,
-                                delta_text=text, delta_token_ids=[7] * len(text))
+def _out(*deltas: tuple[int, str, str | None], error: str | None = None, so_far: int = 0) -> RequestOutput:
+    """One engine delta: (choice index, new text, finish_reason) per choice
+    that changed, one token per character; `so_far` tokens came before."""
+    outputs = [CompletionOutput(index=i, text=text, token_ids=[7] * len(text), finish_reason=finish)
                for i, text, finish in deltas]
     return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2, 3], outputs=outputs,
-                         finished=all(f is not None for _, _, f in deltas), error=error)
+                         finished=all(f is not None for _, _, f in deltas), error=error,
+                         num_output_tokens=so_far + sum(len(text) for _, text, _ in deltas))
 
 
 def _events(outputs: list, *, chat: bool, n: int = 1, include_usage: bool = False) -> list:
@@ -41,7 +42,7 @@ def _events(outputs: list, *, chat: bool, n: int = 1, include_usage: bool = Fals
 
 
 def test_chat_chunks_open_with_the_role_and_end_with_usage_then_done():
-    last = _out((0, "c", "stop"), (1, "yz", "length"))
+    last = _out((0, "c", "stop"), (1, "yz", "length"), so_far=3)
     events = _events([_out((0, "ab", None), (1, "x", None)), last], chat=True, n=2, include_usage=True)
     role, *deltas, usage, done = events
     assert done == "[DONE]"
@@ -52,18 +53,18 @@ def test_chat_chunks_open_with_the_role_and_end_with_usage_then_done():
         (choice,) = e["choices"]
         by_index[choice["index"]] += choice["delta"]["content"]
     assert by_index == {0: "abc", 1: "xyz"}
-    # Usage is the last output's: the engine's token_ids are cumulative.
+    # Usage counts every delta's tokens, not just the last one's.
     assert usage["choices"] == []
-    assert usage["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in last.outputs)
+    assert usage["usage"]["completion_tokens"] == 6
     assert usage["usage"]["prompt_tokens"] == 3
 
 
-def test_a_finished_choice_is_not_repeated():
+def test_a_choice_that_finished_early_gets_no_more_chunks():
     finished_early = _out((0, "a", "stop"), (1, "b", None))
-    later = _out((0, "", "stop"), (1, "c", "stop"))
+    later = _out((1, "c", "stop"), so_far=2)
     events = _events([finished_early, later], chat=False, n=2)
-    finishes = [e["choices"][0]["finish_reason"] for e in events[:-1]]
-    assert finishes == ["stop", None, "stop"]
+    assert [(e["choices"][0]["index"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
+        (0, "stop"), (1, None), (1, "stop")]
 
 
 def test_an_engine_failure_mid_stream_is_an_error_event():
@@ -75,7 +76,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event():
 
 
 def test_a_request_the_engine_failed_is_an_error_event():
-    events = _events([_out((0, "ab", None)), _out((0, "", "error"), error="adapter could not be loaded")],
+    events = _events([_out((0, "ab", None)), _out((0, "", "error"), error="adapter could not be loaded", so_far=2)],
                      chat=True)
     assert "adapter could not be loaded" in events[-2]["error"]["message"]
     assert events[-1] == "[DONE]"
@@ -88,7 +89,7 @@ def test_the_final_output_is_handed_on_before_its_chunk_is_sent():
     seen = []
 
     async def rest():
-        yield _out((0, "b", "length"))
+        yield _out((0, "b", "length"), so_far=1)
 
     async def until_the_final_chunk():
         events = completion_events(_out((0, "a", None)), rest(), fmt, n=1, include_usage=True,
