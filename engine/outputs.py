@@ -100,10 +100,10 @@ class RequestOutput:
         (finished, error, counts, metrics) becomes the later one's."""
         mine = {c.index: c for c in self.outputs}
         for c in later.outputs:
-            if c.index in mine:
-                mine[c.index].add(c)
-            else:
-                self.outputs.append(c)
+            if c.index not in mine:  # a copy: `later` stays the caller's
+                mine[c.index] = CompletionOutput(index=c.index)
+                self.outputs.append(mine[c.index])
+            mine[c.index].add(c)
         self.outputs.sort(key=lambda c: c.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
