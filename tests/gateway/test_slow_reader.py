@@ -23,6 +23,7 @@ import time
 import tracemalloc
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from engine.config import EngineConfig
@@ -44,17 +45,33 @@ RSS_GROWTH_BOUND = 256 * 1024 * 1024
 
 
 @pytest.fixture
-def live(tiny_llama_dir, tmp_path):
+def live(request, tiny_llama_dir, tmp_path):
+    """A live gateway; `@pytest.mark.parametrize("live", [{...}], indirect=True)`
+    sets GatewayConfig fields."""
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
     keys = seed_tenants(db_url, {"acme": Tier.PREMIUM})
     blocks = N * (MAX_TOKENS + 64) // 16 + 64
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=N, num_kv_blocks=blocks, num_threads=1,
                           data_dir=str(tmp_path / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp_path / "data"))
+    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp_path / "data",
+                                     **getattr(request, "param", {})))
     server = start_live_server(gw)
     server.key = keys["acme"]
     yield server
     server.stop()
+
+
+def _stream_body(gw) -> dict:
+    return {"model": gw.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
+            "n": N, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": TOP_LOGPROBS, "stream": True}
+
+
+def _wait_until_idle(gw):
+    """The request ended (its lifecycle closed) and the engine freed its KV blocks."""
+    wait_for(lambda: gw.in_flight == 0, 30, "the request to end")
+    stats = wait_for(lambda: (s := gw.engine.stats()).num_running[Tier.PREMIUM] == 0 and s, 30, "the engine to idle")
+    assert stats.kv_used_blocks == 0
 
 
 def _open_stream(url: str, key: str, body: dict) -> socket.socket:
@@ -85,9 +102,7 @@ def test_slow_reader_memory_stays_linear_in_the_output(live):
         generated[0] += sum(r.decode_tokens for r in usage.requests)
 
     gw.engine.add_usage_sink(count)
-    body = {"model": gw.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
-            "n": N, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0.0,
-            "logprobs": True, "top_logprobs": TOP_LOGPROBS, "stream": True}
+    body = _stream_body(gw)
     rss_before = _rss_bytes()
     tracemalloc.start()
     try:
@@ -111,7 +126,36 @@ def test_slow_reader_memory_stays_linear_in_the_output(live):
     assert peak <= HELD_FIXED_BYTES + HELD_BYTES_PER_TOKEN * tokens
     assert rss_growth <= RSS_GROWTH_BOUND
 
-    # The client left: the request ends and frees its KV blocks.
-    wait_for(lambda: gw.in_flight == 0, 30, "the request to end after the client left")
-    stats = wait_for(lambda: (s := gw.engine.stats()).num_running[Tier.PREMIUM] == 0 and s, 30, "the engine to idle")
-    assert stats.kv_used_blocks == 0
+    _wait_until_idle(gw)  # the client left: the request ends and frees its KV blocks
+
+
+@pytest.mark.parametrize("live", [{"max_stream_seconds": 2.0}], indirect=True)
+def test_slow_reader_is_cut_off_at_the_stream_deadline(live):
+    """--max-stream-seconds bounds how long any stream holds its request.
+    A reader that keeps the connection open but has stopped reading loses
+    the request at the deadline, socket still open, and is then
+    disconnected: its stream ends truncated (no [DONE]), since the error
+    event cannot reach a reader that does not read. A reader that keeps up
+    gets the deadline's error event, then [DONE]."""
+    gw = live.gateway
+    sock = _open_stream(live.url, live.key, _stream_body(gw))
+    try:
+        received = sock.recv(READ_BYTES_PER_S)
+        started = time.monotonic()
+        _wait_until_idle(gw)  # while the client reads nothing
+        assert time.monotonic() - started < 2.0 + 10
+        sock.settimeout(30)
+        while chunk := sock.recv(1 << 16):  # read the rest, fast, until the server hangs up
+            received += chunk
+    finally:
+        sock.close()
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+
+    body = {**_stream_body(gw), "n": 1, "logprobs": False, "top_logprobs": None}
+    headers = {"Authorization": f"Bearer {live.key}"}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, headers=headers, timeout=30) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    error, done = events[-2:]
+    assert json.loads(error)["error"]["code"] == "stream_deadline_exceeded" and done == "[DONE]"
+    assert len(events) > 3  # it streamed tokens until the deadline
+    _wait_until_idle(gw)
