@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-ADMIN_TOKEN = "bench-admin-token"
+ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 
 
 def _free_port() -> int:

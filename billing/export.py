@@ -83,7 +83,10 @@ def parse_time(text: str | None) -> int | None:
         when = dt.datetime.fromisoformat(text)
     except ValueError:
         raise ValueError(f"not an ISO date or datetime: {text!r}") from None
-    return to_us(when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC))
+    try:
+        return to_us(when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC))
+    except OverflowError:  # 0001-01-01T00:00+01:00 is before datetime.min in UTC
+        raise ValueError(f"{text!r} is out of range once converted to UTC") from None
 
 
 def write(rows: Iterable[dict], fmt: str, out: io.TextIOBase, *, group_by: str = "none") -> None:

@@ -9,6 +9,7 @@ import itertools
 import time
 from typing import Callable, Hashable
 
+from engine.chat_template import ChatTokenizer
 from engine.engine_core import EngineCore
 from engine.errors import ValidationError
 from engine.output_processor import OutputProcessor
@@ -34,6 +35,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.clock = clock
         self.output_processor = OutputProcessor(tokenizer)
+        self._chat: ChatTokenizer | None = None  # built on first use
         self.usage_sinks: list[UsageSink] = []
         self._arrival = itertools.count()
         self._ids = itertools.count()
@@ -53,12 +55,11 @@ class LLMEngine:
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValidationError("messages", "this model has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """Prompt ids of a chat; text typed in a message never becomes a
+        control token (engine/chat_template.py)."""
+        if self._chat is None:
+            self._chat = ChatTokenizer(self.tokenizer)
+        return self._chat.encode(messages)
 
     def add_request(
         self,

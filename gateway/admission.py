@@ -12,7 +12,9 @@ Two kinds of limit, checked in this order:
    minute (prompt plus max_tokens, refunded down to what was generated when
    the request ends). Rates are token buckets refilled continuously.
 
-Everything runs on the event loop, so there are no locks; time comes from
+`precheck` runs the tenant limits alone before the request is parsed, at
+the least cost any request has, and `admit` runs everything once the prompt
+is tokenized. Everything runs on the event loop, so there are no locks; time comes from
 the injected clock, so tests never sleep. With tiers off (the FCFS baseline
 of benchmarks/tiers.py) the tier limits are skipped; tenant limits, being
 part of each tenant's contract, still hold.
@@ -157,6 +159,23 @@ class AdmissionController:
         tier.waiting += 1
         tier.queued_tokens += prompt_tokens
         return Ticket(self, tenant.tier, tenant.id, prompt_tokens, max_tokens)
+
+    def precheck(self, principal: Principal) -> None:
+        """RateLimited if the tenant is at its concurrency limit or out of
+        requests (or tokens) per minute: checked before the request's body is
+        read, parsed or tokenized, so a tenant over its limits costs the
+        server almost nothing. Takes nothing. It judges tokens per minute at
+        one token, the least any request costs, so it refuses only what
+        `admit` would refuse too; `admit` checks everything again, the tier
+        limits and the real token count included."""
+        now = self._clock()
+        tenant = principal.tenant
+        state = self._tenant_state(principal, now)
+        try:
+            self._check_tenant(tenant.name, tenant.limits, state, 1, now)
+        except RateLimited as exc:
+            self._tiers[tenant.tier].rejected[exc.limit] += 1
+            raise
 
     def _check_tier(self, tier_name: Tier, tier: _TierState, prompt_tokens: int, now: float) -> None:
         limits = tier.limits

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import anyio
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import install_error_handlers
@@ -47,6 +49,9 @@ class Gateway:
     metrics: object | None = None  # gateway.metrics.GatewayMetrics, served at /metrics
     tracing: object | None = None  # gateway.tracing.Tracing
     slo: object | None = None  # gateway.slo.SloMonitor
+    # Bounds the worker threads that parse, template and tokenize /v1
+    # requests (gateway.prepare); set by create_app from the config.
+    prepare_limiter: anyio.CapacityLimiter | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -112,8 +117,16 @@ def create_app(gateway: Gateway) -> Starlette:
 
     routes = health.routes() + openai_api.routes() + admin.routes() + openapi.routes() + observability.routes()
     app = Starlette(routes=routes, lifespan=lifespan)
+    # Starlette's redirect to the other spelling of a path builds its
+    # Location from the client's Host header; a wrong path is a plain 404.
+    app.router.redirect_slashes = False
     app.state.gateway = gateway
     install_error_handlers(app)
+    config = gateway.config
+    if gateway.prepare_limiter is None:
+        gateway.prepare_limiter = anyio.CapacityLimiter(config.prepare_threads)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes,
+                       route_limits={("POST", "/admin/adapters"): config.max_upload_bytes})
     if gateway.tracing is not None:
         from gateway.tracing import TraceMiddleware
 

@@ -46,7 +46,8 @@ def _add_serve_parser(sub) -> None:
     f("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     f("--db", help="SQLAlchemy URL (sqlite+aiosqlite:///... or postgresql+asyncpg://...); "
                    "default: loragw.db in the data directory ($LORAGW_DATA_DIR)")
-    f("--admin-token", help="bearer token of the /admin API; unset: /admin refuses everyone")
+    f("--admin-token", help="bearer token of the /admin API and /metrics, 32+ characters (visible in ps: "
+                            "prefer --admin-token-file or the env variable); unset: /admin refuses everyone")
     f("--max-num-seqs", type=int, default=128, help="sequences running at once")
     f("--max-num-batched-tokens", type=int, default=1024, help="tokens per engine step")
     f("--max-model-len", type=int, help="context length; default: the model's")
@@ -71,7 +72,35 @@ def _add_serve_parser(sub) -> None:
            "error event (0: no limit)")
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_observability_flags(f)
+    _add_exposure_flags(f)
+    _add_limit_flags(f)
     cli_usage.add_price_flag(serve)
+
+
+def _add_limit_flags(f) -> None:
+    from gateway.config import GatewayConfig as C
+
+    f("--max-request-bytes", type=int, default=C.max_request_bytes,
+      help="largest request body; more is refused with 413 while it is read (adapter uploads: "
+           "--max-upload-bytes)")
+    f("--max-upload-bytes", type=int, default=C.max_upload_bytes, help="largest adapter upload (POST /admin/adapters)")
+    f("--max-header-bytes", type=int, default=C.max_header_bytes,
+      help="largest request line plus headers; more is refused with 431")
+    f("--prepare-threads", type=int, default=C.prepare_threads,
+      help="worker threads that parse, template and tokenize requests off the event loop")
+
+
+def _add_exposure_flags(f) -> None:
+    """What the server shows to whom: the admin token, the metrics
+    listener, the demo tenant (docs/security.md)."""
+    from gateway.config import GatewayConfig
+
+    f("--admin-token-file", help="read the admin token from this file (its first line), not from argv")
+    f("--metrics-port", type=int, help="serve /metrics without auth on this port (on --metrics-host), for "
+                                       "Prometheus; unset: /metrics only on --port, behind the admin token")
+    f("--metrics-host", default=GatewayConfig.metrics_host, help="interface of the --metrics-port listener")
+    f("--demo-tenant", action="store_true",
+      help="create the 'demo' tenant on an empty --db too (always done for the default SQLite database)")
 
 
 def _add_observability_flags(f) -> None:
@@ -98,6 +127,20 @@ def _slo_config(args: argparse.Namespace):
                      external_url=f"http://{args.host}:{args.port}")
 
 
+def _admin_token(args: argparse.Namespace) -> str | None:
+    from gateway.config import ConfigError
+
+    if not args.admin_token_file:
+        return args.admin_token or None
+    if args.admin_token:
+        raise ConfigError("give the admin token once: --admin-token (LORAGW_ADMIN_TOKEN) or --admin-token-file")
+    with open(args.admin_token_file, encoding="utf-8") as file:
+        token = file.readline().strip()
+    if not token:
+        raise ConfigError(f"the admin token file {args.admin_token_file} is empty")
+    return token
+
+
 def _serve_config(args: argparse.Namespace):
     from engine.config import EngineConfig
     from gateway.config import GatewayConfig, TierLimits
@@ -111,14 +154,17 @@ def _serve_config(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         premium_reserved_fraction=args.premium_reserved_fraction if tiers else 0.0, enable_tiers=tiers)
     return GatewayConfig(
-        host=args.host, port=args.port, db_url=args.db, admin_token=args.admin_token or None, engine=engine,
+        host=args.host, port=args.port, db_url=args.db, admin_token=_admin_token(args), engine=engine,
         served_model_name=args.served_model_name, enable_tiers=tiers,
         premium=TierLimits(max_waiting=args.premium_max_waiting),
         standard=TierLimits(max_waiting=args.standard_max_waiting,
                             max_queue_wait_s=args.standard_max_queue_wait or None), drain_timeout_s=args.drain_timeout,
         max_stream_seconds=args.max_stream_seconds or None,
         metrics_adapter_labels=args.metrics_adapter_labels, metrics_tenant_labels=args.metrics_tenant_labels,
-        slo=_slo_config(args), prices=cli_usage.price_book(args))
+        slo=_slo_config(args), prices=cli_usage.price_book(args), metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, demo_tenant=args.demo_tenant, max_request_bytes=args.max_request_bytes,
+        max_upload_bytes=args.max_upload_bytes, max_header_bytes=args.max_header_bytes,
+        prepare_threads=args.prepare_threads)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -131,6 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.errors import EngineError
     from engine.model.loader import resolve_model_dir
     from gateway import server
+    from gateway.config import ConfigError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -139,12 +186,16 @@ def _serve(args: argparse.Namespace) -> int:
         resolve_model_dir(config.engine.model)  # fail now, not after the server is up
         db_url = config.resolved_db_url()
         migrations.upgrade(db_url)
-    except (EngineError, SQLAlchemyError, OSError) as exc:
+    except (EngineError, SQLAlchemyError, OSError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if config.admin_token is None:
         print("note: no --admin-token: the /admin API refuses every request", file=sys.stderr)
-    asyncio.run(server.serve(config, log_level=args.log_level))
+    try:
+        asyncio.run(server.serve(config, log_level=args.log_level))
+    except ConfigError as exc:  # the metrics port is taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -130,6 +130,15 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def token_floor(self, text: str) -> int:
+        """The fewest tokens `text` can tokenize to, known without tokenizing
+        it (engine/token_floor.py); 0 when the tokenizer gives no such bound."""
+        return 0
+
+    def chat_token_floor(self, messages: list[dict]) -> int:
+        """The same for a chat prompt: the floor of its rendered template."""
+        return 0
+
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
@@ -163,6 +172,7 @@ class InProcessEngineClient(EngineClient):
         self._loaded = threading.Event()
         self._load_error: str | None = None
         self._sinks: list = []
+        self._max_chars_per_token: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -178,10 +188,12 @@ class InProcessEngineClient(EngineClient):
     def _load(self) -> None:
         from engine.async_engine import AsyncEngine
         from engine.builder import build_llm_engine
+        from engine.token_floor import max_chars_per_token
 
         try:
             llm_engine = build_llm_engine(self.config)
             llm_engine.usage_sinks.extend(self._sinks)
+            self._max_chars_per_token = max_chars_per_token(llm_engine.tokenizer)
             self._engine = AsyncEngine(llm_engine)
             log.info("model ready: %s", llm_engine.model_dir)
         except Exception as exc:  # noqa: BLE001 - reported through /ready and load_error
@@ -227,6 +239,17 @@ class InProcessEngineClient(EngineClient):
 
     def decode(self, token_ids: list[int]) -> str:
         return self._llm.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def token_floor(self, text: str) -> int:
+        per_token = self._max_chars_per_token
+        return -(-len(text) // per_token) if per_token else 0
+
+    def chat_token_floor(self, messages: list[dict]) -> int:
+        tokenizer = self._llm.tokenizer
+        if not self._max_chars_per_token or not getattr(tokenizer, "chat_template", None):
+            return 0
+        # Rendering is string work; tokenizing the result is what costs.
+        return self.token_floor(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
     @property
     def adapter_registry(self):

@@ -73,6 +73,13 @@ class PayloadTooLarge(APIError):
     status, type, code = 413, "invalid_request_error", "payload_too_large"
 
 
+class HeaderFieldsTooLarge(APIError):
+    """431: the request line and headers are over the HTTP parser's limit.
+    Sent by the server's protocol (gateway.http_protocol), not by a route."""
+
+    status, type, code = 431, "invalid_request_error", "request_header_fields_too_large"
+
+
 class RateLimited(APIError):
     """429: `limit` names what was hit; `retry_after_s` becomes Retry-After."""
 

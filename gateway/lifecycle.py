@@ -67,6 +67,7 @@ class RequestLifecycle:
         # Outputs are deltas: a choice's finish reason comes once, in its own.
         self._finish_reasons: dict[int, str] = {}
         self.closed = False
+        self._client_left = False
         self._reported = False
         self._started_at = gw.wall_clock()
         self._t0 = gw.clock()
@@ -84,6 +85,11 @@ class RequestLifecycle:
             # even if the process dies right after.
             self._report()
         return out
+
+    def client_left(self) -> None:
+        """The client hung up before the engine's first output: the request
+        ends as a disconnect, not as an engine error."""
+        self._client_left = True
 
     def close(self) -> None:
         if self.closed:
@@ -109,6 +115,8 @@ class RequestLifecycle:
 
     def _finish_reason(self) -> str:
         last = self.last
+        if last is None and self._client_left:
+            return "client_disconnect"
         if last is None or last.error is not None:
             return "error"
         if not last.finished:

@@ -9,7 +9,6 @@ offending field, so bad input never reaches the engine.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,6 +19,7 @@ from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
 from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequest
+from gateway.json_body import load_json
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
 R = TypeVar("R", bound=_SamplingRequest)
@@ -36,10 +36,7 @@ class Prepared:
 
 def parse_body(raw: bytes, schema: type[R]) -> R:
     """The validated request, or a 400 naming the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     unsupported = schema.unsupported_field(body)
@@ -72,6 +69,13 @@ def prepare_chat(req: ChatCompletionRequest, engine: EngineClient) -> Prepared:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in req.messages]
     try:
+        # The floor (characters / longest token) reaches the context length
+        # only for a rendered prompt of more characters than that, so only
+        # messages that long are rendered an extra time to find it. Skipping
+        # is always safe: the exact count after tokenizing is checked too.
+        if sum(len(m["content"]) for m in messages) >= engine.max_model_len:
+            _check_context(engine.chat_token_floor(messages), req, engine.max_model_len, prompt_param="messages",
+                           at_least=True)
         prompt_ids = engine.apply_chat_template(messages)
     except jinja2.TemplateError as exc:  # templates raise on role orders they do not support
         raise InvalidRequest(f"messages: the model's chat template refused them: {exc}", param="messages") from None
@@ -86,6 +90,12 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient) -> Prepared
         prompt = prompt[0]
     if not prompt:
         raise InvalidRequest("prompt: the prompt is empty", param="prompt")
+    # Refuse a prompt too long for the context before tokenizing it (or,
+    # for token ids, before checking each against the vocabulary).
+    if isinstance(prompt, str):
+        _check_context(engine.token_floor(prompt), req, engine.max_model_len, prompt_param="prompt", at_least=True)
+    else:
+        _check_context(len(prompt), req, engine.max_model_len, prompt_param="prompt")
     prompt_ids = engine.tokenize(prompt)  # validates token ids against the vocabulary
     if not prompt_ids:
         raise InvalidRequest("prompt: the prompt is empty after tokenization", param="prompt")
@@ -94,20 +104,8 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient) -> Prepared
 
 def _sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
                      max_model_len: int, *, prompt_param: str) -> SamplingParams:
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise InvalidRequest(
-            f"{prompt_param}: the prompt is {len(prompt_ids)} tokens long, which leaves no room to generate "
-            f"in this model's context length of {max_model_len} tokens",
-            param=prompt_param, code="context_length_exceeded")
-    limit, limit_param = req.output_limit()
-    if limit is None:
-        limit = room
-    elif limit > room:
-        raise InvalidRequest(
-            f"{limit_param}: the prompt ({len(prompt_ids)} tokens) plus {limit_param} ({limit}) exceeds "
-            f"this model's context length of {max_model_len} tokens",
-            param=limit_param, code="context_length_exceeded")
+    room = _check_context(len(prompt_ids), req, max_model_len, prompt_param=prompt_param)
+    limit = req.output_limit()[0] or room
     try:
         return SamplingParams(
             n=req.n,
@@ -125,3 +123,23 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_ids:
         )
     except ValidationError as exc:
         raise InvalidRequest(f"{exc.param}: {exc.message}", param=exc.param) from None
+
+
+def _check_context(prompt_tokens: int, req: ChatCompletionRequest | CompletionRequest, max_model_len: int, *,
+                   prompt_param: str, at_least: bool = False) -> int:
+    """The room left to generate after a prompt of `prompt_tokens` (`at_least`:
+    a floor, not the count), or 400 `context_length_exceeded`."""
+    size = f"at least {prompt_tokens}" if at_least else f"{prompt_tokens}"
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"{prompt_param}: the prompt is {size} tokens long, which leaves no room to generate "
+            f"in this model's context length of {max_model_len} tokens",
+            param=prompt_param, code="context_length_exceeded")
+    limit, limit_param = req.output_limit()
+    if limit is not None and limit > room:
+        raise InvalidRequest(
+            f"{limit_param}: the prompt ({size} tokens) plus {limit_param} ({limit}) exceeds "
+            f"this model's context length of {max_model_len} tokens",
+            param=limit_param, code="context_length_exceeded")
+    return room

@@ -7,30 +7,37 @@ load balancer sees the 503s instead of refused connections). In-flight
 requests, running streams included, go on until `gateway.in_flight` is 0
 or `drain_timeout_s` passes; then uvicorn stops, the engine shuts down and
 the process exits 0. A second signal stops at once.
+
+With `--metrics-port`, a second uvicorn server in the same event loop serves
+/metrics alone on `--metrics-host` (docs/observability.md); it runs and
+stops with the public one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
+import contextlib
 import logging
 import signal
+import socket
 import time
+from dataclasses import dataclass
 
 import uvicorn
 
 from gateway.app import Gateway, create_app
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
+from gateway.demo_tenant import announce_demo_key, ensure_demo_tenant
 from gateway.engine_client import InProcessEngineClient
+from gateway.http_protocol import GatewayH11Protocol
 from gateway.metrics import GatewayMetrics
+from gateway.routes.observability import metrics_app
 from gateway.slo import SloMonitor
-from gateway.store.base import Store
-from gateway.tenancy import IssuedKey, TenantLimits, Tier
+from gateway.tenancy import Tier
 from gateway.tracing import Tracing, TracingObserver
 
 log = logging.getLogger(__name__)
 
-DEMO_TENANT = "demo"
 # Requests still running when the drain timed out get this long before uvicorn cancels them.
 _FORCE_STOP_S = 2.0
 
@@ -75,26 +82,63 @@ def add_observability(gateway: Gateway, *, tracing: Tracing | None) -> None:
         gateway.observers.append(TracingObserver(tracing))
 
 
-async def ensure_demo_tenant(store: Store, now: dt.datetime) -> IssuedKey | None:
-    """On an empty database, a standard-tier `demo` tenant and its first
-    key, so that a fresh `make serve` can be called at once. None otherwise."""
-    if await store.list_tenants():
-        return None
-    await store.create_tenant(DEMO_TENANT, Tier.STANDARD, TenantLimits())
-    return await store.create_key(DEMO_TENANT, name="demo", now=now)
+class MetricsServer(uvicorn.Server):
+    """The `--metrics-port` listener. The public server owns the signals
+    (and the drain) and stops this one after itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+@dataclass
+class MetricsListener:
+    server: MetricsServer
+    # Bound when the server is made, so a taken port fails `loragw serve` at
+    # once and a test knows the port (0: the OS picks) before serving.
+    socket: socket.socket
+
+    @property
+    def port(self) -> int:
+        return self.socket.getsockname()[1]
+
+
+def make_metrics_listener(gateway: Gateway, *, log_level: str = "info") -> MetricsListener:
+    config = gateway.config
+    family = socket.AF_INET6 if ":" in config.metrics_host else socket.AF_INET
+    try:
+        sock = socket.create_server((config.metrics_host, config.metrics_port), family=family)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {config.metrics_port} on {config.metrics_host}: {exc}") from exc
+    # No access log: Prometheus scrapes every few seconds.
+    uv_config = uvicorn.Config(metrics_app(gateway), log_level=log_level, lifespan="off", access_log=False,
+                               http=GatewayH11Protocol, h11_max_incomplete_event_size=config.max_header_bytes)
+    listener = MetricsListener(MetricsServer(uv_config), sock)
+    log.info("metrics on http://%s:%d/metrics", config.metrics_host, listener.port)
+    return listener
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float,
+                 metrics: MetricsListener | None = None):
         super().__init__(config)
         self.gateway = gateway
+        self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        if self.metrics is None:
+            await super().serve(sockets)
+            return
+        metrics = asyncio.ensure_future(self.metrics.server.serve(sockets=[self.metrics.socket]))
+        try:
+            await super().serve(sockets)
+        finally:
+            self.metrics.server.should_exit = True
+            await metrics
 
     def handle_exit(self, sig: int, frame) -> None:
         # Not uvicorn's: it would stop listening at once and re-raise the
@@ -131,17 +175,22 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(gateway: Gateway, *, log_level: str = "info") -> DrainingServer:
     config = gateway.config
+    # The HTTP parser is pinned, with its head limit, rather than left to
+    # uvicorn's choice of whatever is installed (gateway/http_protocol.py).
     uv_config = uvicorn.Config(create_app(gateway), host=config.host, port=config.port, log_level=log_level,
-                               lifespan="on", timeout_graceful_shutdown=_FORCE_STOP_S)
-    return DrainingServer(uv_config, gateway, config.drain_timeout_s)
+                               lifespan="on", timeout_graceful_shutdown=_FORCE_STOP_S,
+                               http=GatewayH11Protocol, h11_max_incomplete_event_size=config.max_header_bytes)
+    metrics = None if config.metrics_port is None else make_metrics_listener(gateway, log_level=log_level)
+    return DrainingServer(uv_config, gateway, config.drain_timeout_s, metrics)
 
 
 async def serve(config: GatewayConfig, *, log_level: str = "info") -> None:
-    """Build the gateway, create the demo tenant on an empty database, and
-    serve until drained. The schema must already be migrated."""
+    """Build the gateway, create the demo tenant where the config asks for
+    it (demo_tenant.py), and serve until drained. The schema must already be
+    migrated."""
     gateway = build_gateway(config)
-    issued = await ensure_demo_tenant(gateway.store, gateway.wall_clock())
+    server = make_server(gateway, log_level=log_level)
+    issued = await ensure_demo_tenant(config, gateway.store, gateway.wall_clock())
     if issued is not None:
-        print(f"created tenant {DEMO_TENANT!r}; its API key (shown once, keep it):\n\n    {issued.secret}\n",
-              flush=True)
-    await make_server(gateway, log_level=log_level).serve()
+        announce_demo_key(issued)
+    await server.serve()

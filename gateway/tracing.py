@@ -111,17 +111,20 @@ class TraceMiddleware:
 
 
 @contextlib.contextmanager
-def admission_span(tracing: Tracing | None, principal: Principal, *, model: str, chat: bool):
+def admission_span(tracing: Tracing | None, principal: Principal, *, model: str | None, chat: bool):
     """Name the current server span after the operation and time the
-    admission decision under it; a 429 is recorded with its limit."""
+    admission decision under it; a 429 is recorded with its limit. `model`
+    is None for a request refused before its body was read."""
     if tracing is None:
         yield
         return
     operation = "chat" if chat else "text_completion"
     server = trace.get_current_span()
-    server.update_name(f"{operation} {model}")
-    server.set_attributes({"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-                           "loragw.tenant": principal.tenant.name, "loragw.tier": principal.tenant.tier.value})
+    server.update_name(operation if model is None else f"{operation} {model}")
+    server.set_attributes({"gen_ai.operation.name": operation, "loragw.tenant": principal.tenant.name,
+                           "loragw.tier": principal.tenant.tier.value})
+    if model is not None:
+        server.set_attribute("gen_ai.request.model", model)
     with tracing.tracer.start_as_current_span("admission") as span:
         try:
             yield

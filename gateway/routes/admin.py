@@ -8,7 +8,6 @@ the handler runs. Handlers parse their input into a schema and call the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 
 from starlette.datastructures import UploadFile
@@ -22,8 +21,11 @@ from gateway.admin_service import AdminService
 from gateway.deps import gateway_of, require_admin
 from gateway.engine_client import EngineNotReady
 from gateway.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from gateway.json_body import load_json
 from gateway.schemas.admin import AdapterUpload, KeyCreate, ListOut, TenantCreate, TenantUpdate, parse
+from gateway.schemas.text import refuse_nul
 
+USAGE_QUERY = ("tenant", "since", "until", "group_by")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "pytorch_model.bin")
@@ -59,14 +61,23 @@ def admin_endpoint(handler: Callable[[Request, AdminService], Awaitable[object]]
     return endpoint
 
 
+def _path(request: Request, name: str) -> str:
+    """A path parameter that is safe to look up in the store."""
+    return _stored(request.path_params[name], name)
+
+
+def _stored(value: str | None, param: str) -> str | None:
+    try:
+        return None if value is None else refuse_nul(value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param}: {exc}", param=param) from None
+
+
 async def _body(request: Request) -> object:
     raw = await request.body()
     if not raw:
         return {}
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("the request body is not valid JSON") from None
+    return load_json(raw)
 
 
 # ---- tenants ----
@@ -80,29 +91,29 @@ async def create_tenant(request: Request, service: AdminService):
 
 
 async def get_tenant(request: Request, service: AdminService):
-    return await service.get_tenant(request.path_params["tenant"])
+    return await service.get_tenant(_path(request, "tenant"))
 
 
 async def update_tenant(request: Request, service: AdminService):
-    return await service.update_tenant(request.path_params["tenant"], parse(TenantUpdate, await _body(request)))
+    return await service.update_tenant(_path(request, "tenant"), parse(TenantUpdate, await _body(request)))
 
 
 async def delete_tenant(request: Request, service: AdminService):
-    return await service.delete_tenant(request.path_params["tenant"])
+    return await service.delete_tenant(_path(request, "tenant"))
 
 
 # ---- keys ----
 
 async def list_keys(request: Request, service: AdminService):
-    return await service.list_keys(request.path_params["tenant"])
+    return await service.list_keys(_path(request, "tenant"))
 
 
 async def create_key(request: Request, service: AdminService):
-    return await service.create_key(request.path_params["tenant"], parse(KeyCreate, await _body(request)))
+    return await service.create_key(_path(request, "tenant"), parse(KeyCreate, await _body(request)))
 
 
 async def revoke_key(request: Request, service: AdminService):
-    return await service.revoke_key(request.path_params["key_id"])
+    return await service.revoke_key(_path(request, "key_id"))
 
 
 # ---- adapters ----
@@ -183,20 +194,31 @@ async def usage(request: Request, service: AdminService):
     """Usage from the billing ledger, priced per tier: per-record rows, or
     per-tenant totals with `group_by=hour|day`, over `[since, until)`
     (ISO dates or datetimes). `?tenant=` must name a tenant."""
-    from billing.export import parse_time, usage_rows
+    from billing.export import GROUP_BY, parse_time, usage_rows
     from billing.ledger import Ledger
 
     q = request.query_params
-    tenant = q.get("tenant")
+    # Like the admin bodies, which forbid unknown fields: a misspelt filter
+    # (`?tenat=acme`) must not quietly return every tenant's usage.
+    unknown = next((name for name in q if name not in USAGE_QUERY), None)
+    if unknown is not None:
+        raise InvalidRequest(f"unknown query parameter {unknown!r}; expected {', '.join(USAGE_QUERY)}",
+                             param=unknown)
+    tenant = _stored(q.get("tenant"), "tenant")
     if tenant is not None:
         await service.get_tenant(tenant)
+    bounds = {}
+    for param in ("since", "until"):
+        try:
+            bounds[param] = parse_time(q.get(param))
+        except ValueError as exc:
+            raise InvalidRequest(f"{param}: {exc}", param=param) from None
+    group_by = q.get("group_by", "none")
+    if group_by not in GROUP_BY:
+        raise InvalidRequest(f"group_by must be one of {', '.join(GROUP_BY)}", param="group_by")
     gw = gateway_of(request)
-    try:
-        since, until = parse_time(q.get("since")), parse_time(q.get("until"))
-        rows = await usage_rows(Ledger(gw.store.engine), gw.config.prices, group_by=q.get("group_by") or "none",
-                                since_us=since, until_us=until, tenant=tenant)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    rows = await usage_rows(Ledger(gw.store.engine), gw.config.prices, group_by=group_by,
+                            since_us=bounds["since"], until_us=bounds["until"], tenant=tenant)
     return ListOut(data=rows)
 
 

@@ -1,17 +1,35 @@
-"""`GET /metrics` (Prometheus, no auth, like vLLM's) and `GET /admin/alerts`
-(the SLO monitor's firing alerts, admin token)."""
+"""`GET /metrics` (Prometheus) and `GET /admin/alerts` (the SLO monitor's
+firing alerts), both behind the admin token on the public port.
+
+The metrics name tenants and adapters and count each tenant's usage, so a
+tenant's API key must not read them (vLLM serves /metrics openly because it
+has one tenant). Prometheus either sends the admin token, or scrapes the
+`--metrics-port` listener, which serves `metrics_app`: /metrics alone,
+without auth, on an interface the operator keeps private."""
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.deps import gateway_of, require_admin
+from gateway.errors import install_error_handlers
 
 
 async def metrics(request: Request) -> Response:
+    require_admin(request)
+    return _exposition(request)
+
+
+async def open_metrics(request: Request) -> Response:
+    """The metrics listener's /metrics: reaching the port is the credential."""
+    return _exposition(request)
+
+
+def _exposition(request: Request) -> Response:
     gw = gateway_of(request)
     if gw.metrics is None:
         return Response("metrics are off on this server\n", status_code=404, media_type="text/plain")
@@ -28,3 +46,12 @@ async def alerts(request: Request) -> JSONResponse:
 
 def routes() -> list[Route]:
     return [Route("/metrics", metrics, methods=["GET"]), Route("/admin/alerts", alerts, methods=["GET"])]
+
+
+def metrics_app(gateway) -> Starlette:
+    """The app of the `--metrics-port` listener. No lifespan: the public
+    app starts and stops the gateway."""
+    app = Starlette(routes=[Route("/metrics", open_metrics, methods=["GET"])])
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    return app

@@ -1,7 +1,8 @@
 """The OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
 Every completion takes the same path:
-  auth -> parse (400) -> model: base or an adapter this tenant may use (404)
+  auth -> the tenant's rate limits (429) -> read the body (413) -> parse (400)
+  -> model: base or an adapter this tenant may use (404)
   -> prepare tokens and sampling (400) -> admission (429) -> engine
   -> one JSON body, or an SSE stream.
 The cache salt comes from the principal, never from the request, so KV is
@@ -14,6 +15,7 @@ import datetime as dt
 import uuid
 from typing import Callable
 
+from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -21,7 +23,7 @@ from starlette.routing import Route
 from adapters.errors import AdapterError
 from gateway.deps import gateway_of, require_principal
 from gateway.engine_client import EngineRequest
-from gateway.errors import ModelNotFound, ServiceUnavailable
+from gateway.errors import ModelNotFound, RateLimited, ServiceUnavailable
 from gateway.lifecycle import RequestLifecycle
 from gateway.openai_format import ResponseFormat
 from gateway.prepare import Prepared, parse_body, prepare_chat, prepare_completion
@@ -100,15 +102,28 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
         raise not_found from None
 
 
+def _precheck(gw, principal: Principal, *, chat: bool) -> None:
+    """The tenant's own limits, before any work a tenant over them could make
+    us do (reading, parsing, tokenizing); a refusal is traced like admit's."""
+    try:
+        gw.admission.precheck(principal)
+    except RateLimited:
+        with admission_span(gw.tracing, principal, model=None, chat=chat):
+            raise
+
+
 async def _complete(request: Request, schema, prepare: Callable[..., Prepared], *, chat: bool) -> Response:
     gw = gateway_of(request)
     if gw.draining:
         raise ServiceUnavailable("the server is shutting down; retry on another replica", code="draining",
                                  headers={"Retry-After": "1"})
     principal = await require_principal(request)
-    body = parse_body(await request.body(), schema)
+    _precheck(gw, principal, chat=chat)
+    # JSON parsing, templating and tokenizing run on worker threads (a
+    # bounded number), never on the event loop.
+    body = await to_thread.run_sync(parse_body, await request.body(), schema, limiter=gw.prepare_limiter)
     adapter_key = await resolve_model(request, principal, body.model)
-    prepared = prepare(body, gw.engine)
+    prepared = await to_thread.run_sync(prepare, body, gw.engine, limiter=gw.prepare_limiter)
     params = prepared.params
     with admission_span(gw.tracing, principal, model=body.model, chat=chat):
         ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
@@ -126,9 +141,20 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     streaming = False
     try:
         outputs = gw.engine.generate(engine_request)
+        first = None
+
+        async def wait_first() -> None:
+            nonlocal first
+            first = await anext(outputs)
+
         # Wait for the first output before answering: an engine that refuses
         # the request then still gets its proper status, not a broken stream.
-        first = await anext(outputs)
+        # A client that hangs up meanwhile (it is likely queued) is aborted at
+        # once: cancelling the wait closes the engine's iterator, which aborts
+        # the request before it takes a queue slot's turn or any prefill.
+        if not await run_until_disconnect(request.receive, wait_first):
+            lifecycle.client_left()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         lifecycle.saw(check_output(first))
         if body.stream:
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,

@@ -36,6 +36,7 @@ class Operation:
     errors: tuple[int, ...] = ()
     stream: type[BaseModel] | None = None  # the chunk model when `stream: true` is allowed
     multipart_files: tuple[str, ...] = ()  # request is multipart: `request` holds its fields
+    query: tuple[tuple[str, dict], ...] = ()  # (name, JSON schema) of each optional query parameter
 
 
 @functools.cache
@@ -44,8 +45,22 @@ def list_of(model: type[BaseModel]) -> type[BaseModel]:
     return create_model(f"{model.__name__}List", object=(Literal["list"], "list"), data=(list[model], ...))
 
 
-_V1_ERRORS = (400, 401, 404, 429, 503)
-_ADMIN_ERRORS = (400, 401, 404)
+# Every operation behind a key can also answer 503 (the database or the
+# engine is unavailable, or the server is draining), and every one that
+# takes a body 413 (over --max-request-bytes).
+_V1_ERRORS = (400, 401, 404, 413, 429, 503)
+_ADMIN_ERRORS = (400, 401, 404, 503)
+_ADMIN_BODY_ERRORS = (*_ADMIN_ERRORS, 413)
+
+_ISO_TIME = {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
+                       {"type": "string", "maxLength": 0}],
+             "description": "an ISO date or datetime; without a zone, UTC; empty: no bound"}
+_USAGE_QUERY = (
+    ("tenant", {"type": "string", "pattern": adm.TENANT_NAME_PATTERN}),
+    ("since", _ISO_TIME),
+    ("until", {**_ISO_TIME, "description": "exclusive; " + _ISO_TIME["description"]}),
+    ("group_by", {"type": "string", "enum": ["none", "hour", "day"], "default": "none"}),
+)
 
 OPERATIONS = [
     Operation("get", "/health", "liveness: answers while the process runs", None, security=None),
@@ -58,32 +73,32 @@ OPERATIONS = [
     Operation("get", "/v1/models", "the base model and the adapters this key may use", oai.ModelList,
               errors=(401, 503)),
     Operation("get", "/admin/tenants", "list tenants", list_of(adm.TenantOut), security=ADMIN,
-              errors=(401,)),
+              errors=(401, 503)),
     Operation("post", "/admin/tenants", "create a tenant", adm.TenantOut, adm.TenantCreate, security=ADMIN,
-              status=201, errors=(400, 401, 409)),
+              status=201, errors=(400, 401, 409, 413, 503)),
     Operation("get", "/admin/tenants/{tenant}", "get a tenant", adm.TenantOut, security=ADMIN,
               errors=_ADMIN_ERRORS),
     Operation("patch", "/admin/tenants/{tenant}", "change a tenant's tier or limits", adm.TenantOut,
-              adm.TenantUpdate, security=ADMIN, errors=_ADMIN_ERRORS),
+              adm.TenantUpdate, security=ADMIN, errors=_ADMIN_BODY_ERRORS),
     Operation("delete", "/admin/tenants/{tenant}", "delete a tenant, its keys and its adapter grants",
               adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("get", "/admin/tenants/{tenant}/keys", "list a tenant's API keys (never the secrets)",
               list_of(adm.KeyOut), security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("post", "/admin/tenants/{tenant}/keys", "issue an API key; the secret is returned once",
-              adm.IssuedKeyOut, adm.KeyCreate, security=ADMIN, status=201, errors=_ADMIN_ERRORS),
+              adm.IssuedKeyOut, adm.KeyCreate, security=ADMIN, status=201, errors=_ADMIN_BODY_ERRORS),
     Operation("delete", "/admin/keys/{key_id}", "revoke an API key", adm.KeyOut, security=ADMIN,
               errors=_ADMIN_ERRORS),
     Operation("get", "/admin/adapters", "list adapters with their versions", list_of(adm.AdapterOut),
               security=ADMIN, errors=(401, 503)),
     Operation("post", "/admin/adapters", "upload a PEFT LoRA adapter (a new version if the name exists)",
-              adm.AdapterOut, adm.AdapterUpload, security=ADMIN, status=201, errors=(400, 401, 409, 413, 503),
+              adm.AdapterOut, adm.AdapterUpload, security=ADMIN, status=201, errors=(*_ADMIN_BODY_ERRORS, 409),
               multipart_files=("adapter_config.json", "adapter_model.safetensors")),
     Operation("get", "/admin/adapters/{name}", "get an adapter and its versions", adm.AdapterOut,
               security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("delete", "/admin/adapters/{name}", "delete an adapter (NAME) or one version (NAME@VERSION)",
               adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("get", "/admin/usage", "usage per tenant (`?tenant=` for one)", adm.ListOut, security=ADMIN,
-              errors=_ADMIN_ERRORS),
+              errors=_ADMIN_ERRORS, query=_USAGE_QUERY),
 ]
 
 _ERROR_TEXT = {400: "invalid request", 401: "missing or invalid credentials", 404: "not found",
@@ -132,9 +147,10 @@ def _operation(op: Operation, ref: dict) -> dict:
     out: dict = {"summary": op.summary, "operationId": f"{op.method}_{op.path.strip('/')}".replace("/", "_")
                  .replace("{", "").replace("}", "")}
     params = [p.strip("{}") for p in op.path.split("/") if p.startswith("{")]
-    if params:
-        out["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-                             for p in params]
+    parameters = [{"name": p, "in": "path", "required": True, "schema": _path_schema(op, p)} for p in params]
+    parameters += [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in op.query]
+    if parameters:
+        out["parameters"] = parameters
     if op.security is not None:
         out["security"] = [{op.security: []}]
     if op.request is not None:
@@ -143,9 +159,7 @@ def _operation(op: Operation, ref: dict) -> dict:
     if op.response is not None:
         ok["content"] = {"application/json": {"schema": ref[op.response]}}
     if op.stream is not None:
-        ok.setdefault("content", {})["text/event-stream"] = {
-            "schema": {"type": "string", "description": f"with `stream: true`: `data: <{op.stream.__name__}>` "
-                                                       "events, then `data: [DONE]`"}}
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": _sse_event(op.stream, ref)}
     responses = {str(op.status): ok}
     for status in op.errors:
         responses[str(status)] = {"description": _ERROR_TEXT[status],
@@ -154,10 +168,35 @@ def _operation(op: Operation, ref: dict) -> dict:
     return out
 
 
+def _sse_event(chunk: type[BaseModel], ref: dict) -> dict:
+    """One server-sent event of a stream (before OpenAPI 3.2's itemSchema,
+    `schema` describes each event): a chunk, an error once the stream has
+    begun, or the closing `[DONE]`."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [ref[chunk], ref[oai.ErrorResponse]]}}
+    return {"type": "object", "required": ["data"],
+            "description": f"with `stream: true`: `data: <{chunk.__name__}>` events, then `data: [DONE]`",
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
+
+
+def _path_schema(op: Operation, param: str) -> dict:
+    """What a path parameter may be; anything else is a 400 or a 404."""
+    if param == "tenant":
+        return {"type": "string", "pattern": adm.TENANT_NAME_PATTERN}
+    if param == "name":  # an adapter: GET takes a name, DELETE a name or NAME@VERSION
+        return {"type": "string", "pattern": adm.ADAPTER_REF_PATTERN if op.method == "delete"
+                else adm.ADAPTER_NAME_PATTERN}
+    return {"type": "string", "pattern": "^[^\\u0000]*$"}
+
+
 def _request_content(op: Operation, ref: dict) -> dict:
     if not op.multipart_files:
         return {"application/json": {"schema": ref[op.request]}}
-    files = {"type": "object", "required": list(op.multipart_files),
-             "properties": {f: {"type": "string", "contentMediaType": "application/octet-stream"}
-                            for f in op.multipart_files}}
-    return {"multipart/form-data": {"schema": {"allOf": [ref[op.request], files]}}}
+    # One object, not allOf(fields, files): the fields' model forbids extra
+    # properties, which would make the files contradict it.
+    schema = op.request.model_json_schema(mode="validation")
+    assert "$defs" not in schema, "multipart fields must be flat"
+    schema["properties"].update({f: {"type": "string", "contentMediaType": "application/octet-stream"}
+                                 for f in op.multipart_files})
+    schema["required"] = schema.get("required", []) + list(op.multipart_files)
+    return {"multipart/form-data": {"schema": schema}}

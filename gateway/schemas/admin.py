@@ -10,14 +10,22 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import (AwareDatetime, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 from gateway.errors import InvalidRequest
+from gateway.schemas.text import StoredText
 from gateway.tenancy import Tier
 
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN, description="a-z 0-9 _ -, at most 64")]
-Limit = Annotated[PositiveInt | None, Field(description="None (null) means unlimited")]
+ADAPTER_NAME_PATTERN = r"^(?!.*\.\.)[a-z0-9][a-z0-9._-]{0,63}$"  # adapters.registry.validate_name
+ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]*)?$"  # NAME or NAME@VERSION
+# The limits are INTEGER columns (store.models.TenantRow): 32 bits on PostgreSQL.
+MAX_LIMIT = 2**31 - 1
+Limit = Annotated[PositiveInt | None, Field(le=MAX_LIMIT, description="None (null) means unlimited")]
+# A key's lifetime is bounded so that now + expires_in stays a datetime.
+MAX_KEY_LIFETIME_S = 100 * 365 * 86_400
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -33,7 +41,8 @@ def parse(model: type[Model], data: Any) -> Model:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
-        message = first["msg"] if param is None else f"{param}: {first['msg']}"
+        msg = first["msg"].removeprefix("Value error, ")
+        message = msg if param is None else f"{param}: {msg}"
         raise InvalidRequest(message, param=param) from None
 
 
@@ -60,9 +69,23 @@ class TenantUpdate(_In):
 
 
 class KeyCreate(_In):
-    name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    # States the one-of rule below in /openapi.json too.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {
+        "required": ["expires_at", "expires_in"],
+        "properties": {"expires_at": {"type": "string"}, "expires_in": {"type": "integer"}}}})
+
+    name: Annotated[StoredText, Field(min_length=1, max_length=128)] | None = None
     expires_at: AwareDatetime | None = None
-    expires_in: PositiveInt | None = Field(default=None, description="seconds from now")
+    expires_in: PositiveInt | None = Field(default=None, le=MAX_KEY_LIFETIME_S, description="seconds from now")
+
+    @field_validator("expires_at")
+    @classmethod
+    def _in_utc(cls, value: dt.datetime | None) -> dt.datetime | None:
+        # 9999-12-31T23:00-05:00 parses, but is past datetime.max in UTC, where the store keeps it.
+        try:
+            return None if value is None else value.astimezone(dt.UTC)
+        except OverflowError:
+            raise ValueError("is out of range once converted to UTC") from None
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -74,7 +97,10 @@ class KeyCreate(_In):
 class AdapterUpload(_In):
     """The form fields of an adapter upload (the files come beside them)."""
 
-    name: str
+    # Checked by the registry (validate_name), with its own message; the
+    # pattern states the rule in /openapi.json.
+    name: Annotated[str, Field(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN},
+                               description="a-z 0-9 . _ -, at most 64, no '..'")]
     tenant: TenantName | None = None  # the owner; None for a platform adapter
     shared: bool = False  # usable by every tenant
 

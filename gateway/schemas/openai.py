@@ -14,16 +14,49 @@ from their JSON schemas.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from gateway.schemas.text import StoredText
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 256  # each stop string is matched against the output text every step
+MAX_MESSAGES = 1024  # each one is templated
 _INT64 = 2**63
 
+# A list field is checked item by item and, by default, pydantic reports
+# every bad item: a 4 MiB body of two million of them costs seconds of CPU
+# with the GIL held, which a worker thread does not hide from the event
+# loop. Every request list stops at its first bad item, and a list with a
+# count limit is refused on its length before any item is looked at.
+def _list_of(item):
+    return Annotated[list[item], Field(fail_fast=True)]
+
+
+def _at_most(field: str, limit: int, what: str):
+    """A validator that refuses a list of more than `limit` items on its length alone."""
+
+    def check(cls, value: object) -> object:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what} are allowed, got {len(value)}")
+        return value
+
+    return field_validator(field, mode="before")(classmethod(check))
+
 _REQUEST = ConfigDict(extra="ignore", strict=True)
+
+# JSON schemas for /openapi.json of rules the validators below enforce with
+# their own messages (one prompt per request, non-empty stop strings).
+_TEXT = {"type": "string", "minLength": 1}
+_STOP_TEXT = {**_TEXT, "maxLength": MAX_STOP_CHARS}
+_TOKEN_ID = {"type": "integer", "minimum": 0}
+
+
+def _list(items: dict, *, min_items: int = 1, max_items: int | None = None) -> dict:
+    out = {"type": "array", "items": items, "minItems": min_items}
+    return out if max_items is None else {**out, "maxItems": max_items}
 
 
 class StreamOptions(BaseModel):
@@ -39,17 +72,20 @@ class _SamplingRequest(BaseModel):
     # other value is refused (see `unsupported_field`).
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {}), "best_of": (None, 1)}
 
-    model: str = Field(min_length=1, description="the base model's id, or an adapter: NAME or NAME@VERSION")
+    model: StoredText = Field(min_length=1, description="the base model's id, or an adapter: NAME or NAME@VERSION")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context window")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None, validate_default=True,
-                                         description=f"up to {MAX_STOP} non-empty stop strings")
+    stop: str | _list_of(str) | None = Field(
+        None, validate_default=True,
+        description=f"up to {MAX_STOP} non-empty stop strings of at most {MAX_STOP_CHARS} characters",
+        json_schema_extra={"anyOf": [_STOP_TEXT, _list(_STOP_TEXT, min_items=0, max_items=MAX_STOP),
+                                     {"type": "null"}]})
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = Field(None, max_length=256)
+    user: StoredText | None = Field(None, max_length=256)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Not in OpenAI's API; vLLM's names.
@@ -63,14 +99,16 @@ class _SamplingRequest(BaseModel):
         return next((name for name, no_ops in cls.UNSUPPORTED.items()
                      if name in body and body[name] not in no_ops), None)
 
+    _stop_count = _at_most("stop", MAX_STOP, "stop sequences")
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters long")
         return stops
 
     @field_validator("stream_options")
@@ -86,26 +124,29 @@ class _SamplingRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = _REQUEST
-    type: str
-    text: str | None = None
+    """Only text parts: an image or audio part is refused, not dropped."""
 
-    @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
-        return self
+    model_config = _REQUEST
+    type: Literal["text"]
+    text: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: object) -> object:
+        if value != "text":  # say why, rather than a union's "Input should be a valid string"
+            raise ValueError(f"only text content parts are supported, got type {value!r}")
+        return value
 
 
 class ChatMessage(BaseModel):
     model_config = _REQUEST
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | _list_of(ContentPart) | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -114,10 +155,13 @@ class ChatCompletionRequest(_SamplingRequest):
         **_SamplingRequest.UNSUPPORTED, "tools": (None, []), "functions": (None, []),
         "tool_choice": (None, "none", "auto"), "audio": (None,), "response_format": (None, {"type": "text"})}
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: _list_of(ChatMessage) = Field(min_length=1, description=f"at most {MAX_MESSAGES}",
+                                            json_schema_extra={"maxItems": MAX_MESSAGES})
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    _message_count = _at_most("messages", MAX_MESSAGES, "messages")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -140,9 +184,19 @@ class CompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **_SamplingRequest.UNSUPPORTED, "echo": (None, False), "suffix": (None, "")}
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string, a list of one string, token ids, or a list of one token-id list")
+    # Token ids first: the long list is matched by the first branch tried.
+    prompt: str | _list_of(int) | _list_of(str) | _list_of(_list_of(int)) = Field(
+        description="a string, a list of one string, token ids, or a list of one token-id list",
+        json_schema_extra={"anyOf": [_TEXT, _list(_TEXT, max_items=1), _list(_TOKEN_ID),
+                                     _list(_list(_TOKEN_ID), max_items=1)]})
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: object) -> object:
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise ValueError("only one prompt per request is supported")
+        return prompt
 
     def output_limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"

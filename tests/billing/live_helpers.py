@@ -15,15 +15,17 @@ from tests.gateway.live import seed_tenants, start_live_server
 
 
 def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], grants=(), adapter_dir=None,
-                         db_url: str | None = None, **engine_kwargs):
+                         db_url: str | None = None, tier_limits: TierLimits = TierLimits(max_waiting=64),
+                         **engine_kwargs):
     """Tenants (one key each), adapter grants (name, owner, shared) imported
     from `adapter_dir`, and a live server whose step busy times are also
-    collected in `server.steps` (the ground truth)."""
+    collected in `server.steps` (the ground truth). `tier_limits` applies
+    to both tiers."""
     db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, tenants, grants)
     engine = EngineConfig(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
     gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
-                                     standard=TierLimits(max_waiting=64), premium=TierLimits(max_waiting=64)))
+                                     standard=tier_limits, premium=tier_limits))
     steps = []
     gw.engine.add_usage_sink(steps.append)
     server = start_live_server(gw)

@@ -6,6 +6,7 @@ import contextlib
 import datetime as dt
 import functools
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -13,20 +14,25 @@ from safetensors.torch import load, save
 from starlette.testclient import TestClient
 
 from adapters.registry import AdapterRegistry
+from gateway.admission import AdmissionController
 from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
 from gateway.store.sql import SqlStore
 from tests.gateway.fakes import FakeEngineClient
+from gateway.tenancy import Tier
+from tests.gateway.live import ADMIN_TOKEN
 
-ADMIN_TOKEN = "admin-secret-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @contextlib.contextmanager
 def admin_client(db_url: str, registry: AdapterRegistry, **config):
     """A TestClient (lifespan run) on a gateway with the admin token set."""
-    gateway = Gateway(config=GatewayConfig(admin_token=ADMIN_TOKEN, **config), store=SqlStore.from_url(db_url),
-                      engine=FakeEngineClient(registry), admission=None)
+    gw_config = GatewayConfig(admin_token=ADMIN_TOKEN, **config)
+    engine = FakeEngineClient(registry)
+    admission = AdmissionController({Tier.PREMIUM: gw_config.premium, Tier.STANDARD: gw_config.standard},
+                                    lambda: engine.kv_capacity, clock=time.monotonic)
+    gateway = Gateway(config=gw_config, store=SqlStore.from_url(db_url), engine=engine, admission=admission)
     with TestClient(create_app(gateway)) as client:
         client.gateway = gateway
         yield client

@@ -14,6 +14,9 @@ import httpx
 from gateway.app import Gateway
 from gateway.server import DrainingServer, make_server
 
+# The test gateways' admin token: GatewayConfig refuses one under 32 characters.
+ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
+
 
 @dataclass
 class LiveServer:
@@ -21,6 +24,7 @@ class LiveServer:
     server: DrainingServer
     thread: threading.Thread
     url: str  # http://127.0.0.1:PORT
+    metrics_url: str | None = None  # the --metrics-port listener's, when config.metrics_port is set
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -41,6 +45,8 @@ def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0) -> Li
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     live = LiveServer(gateway, server, thread, f"http://127.0.0.1:{port}")
+    if server.metrics is not None:
+        live.metrics_url = f"http://{gateway.config.metrics_host}:{server.metrics.port}"
     while httpx.get(f"{live.url}/ready").status_code != 200:
         if time.monotonic() > deadline:
             live.stop()

@@ -173,3 +173,33 @@ def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     # Premium, with no bound of its own, is not affected.
     for _ in range(4):  # up to its own max_waiting
         ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=1, max_tokens=1)
+
+
+def test_precheck_refuses_only_what_admit_would_and_takes_nothing():
+    clock = Clock()
+    ctl = controller(clock)
+    tenant = principal("a", Tier.STANDARD, max_concurrent=2, requests_per_minute=2, tokens_per_minute=100)
+    for _ in range(5):
+        ctl.precheck(tenant)  # takes no request, token or seat
+    first = ctl.admit(tenant, prompt_tokens=60, max_tokens=40)  # spends the whole token budget
+    with pytest.raises(RateLimited) as info:
+        ctl.precheck(tenant)
+    assert info.value.code == "tokens_per_minute"
+    with pytest.raises(RateLimited):
+        ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
+    first.release(completion_tokens=0)  # refunds 40 tokens
+    ctl.precheck(tenant)
+    second = ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
+    with pytest.raises(RateLimited) as info:
+        ctl.precheck(tenant)
+    assert info.value.code == "requests_per_minute"
+    clock.now += 60
+    held = ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
+    with pytest.raises(RateLimited) as info:
+        ctl.precheck(tenant)  # second and held are running
+    assert info.value.code == "max_concurrent"
+    second.release()
+    held.release()
+    ctl.precheck(tenant)
+    assert ctl.snapshot()["standard"]["rejected"] == {"tokens_per_minute": 2, "requests_per_minute": 1,
+                                                      "max_concurrent": 1}

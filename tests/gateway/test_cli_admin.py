@@ -157,3 +157,15 @@ def test_cli_and_admin_api_show_the_same_objects(cli, db_url, tmp_path, tiny_bas
         assert listed == {k: v for k, v in key.items() if k != "key"}
         client.patch("/admin/tenants/acme", json={"tier": "standard"}, headers=ADMIN)
     assert cli("tenants", "get", "acme")["tier"] == "standard"
+
+
+def test_cli_integers_past_their_column_and_huge_expiry_are_errors(cli):
+    """The CLI parses into the admin API's schemas, so defect 7's bounds hold
+    there too: an error line, not a traceback, and nothing is stored."""
+    assert "max_concurrent" in cli("tenants", "create", "acme", "--max-concurrent", str(2**63), ok=False)
+    cli("tenants", "create", "acme")
+    assert "tokens_per_minute" in cli("tenants", "update", "acme", "--tokens-per-minute", str(2**31), ok=False)
+    assert "expires_in" in cli("keys", "create", "acme", "--expires-in", "999999999d", ok=False)
+    assert "expires_at" in cli("keys", "create", "acme", "--expires-at", "9999-12-31T23:00:00-05:00", ok=False)
+    assert cli("keys", "list", "acme")["data"] == []
+    assert cli("tenants", "get", "acme")["limits"]["tokens_per_minute"] is None

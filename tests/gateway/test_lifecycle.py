@@ -92,6 +92,16 @@ def test_finish_reasons_for_a_client_that_left_an_engine_error_and_no_output():
         assert recorder.records[0].finish_reason == expected
 
 
+def test_a_client_that_left_before_the_first_output_is_a_client_disconnect_not_an_error():
+    recorder, ticket = Recorder(), Ticket()
+    life = lifecycle(Gw([recorder]), ticket)
+    life.client_left()
+    life.close()
+    [record] = recorder.records
+    assert record.finish_reason == "client_disconnect" and record.completion_tokens == 0
+    assert ticket.released == [None]
+
+
 def test_the_record_goes_out_when_the_final_output_is_seen_before_the_response_ends():
     recorder = Recorder()
     gw = Gw([recorder])

@@ -1,7 +1,8 @@
 """/metrics: every named series is there after a small workload on a live
 gateway, and the values are what the workload did (requests by tier and
 finish reason, 429s by limit, a preemption); bounded labels; billing
-counters; the engine collector's adapter series."""
+counters; the engine collector's adapter series; and who may read them
+(the admin token on the public port, anyone on the --metrics-port listener)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
 
 from engine.config import EngineConfig
+from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig, TierLimits
 from gateway.engine_client import EngineStats
 from gateway.metrics import GatewayMetrics
+from gateway.routes.observability import metrics_app
 from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
 from tests.gateway.fakes import FakeEngineClient
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def scrape(text: str) -> dict[tuple[str, tuple], float]:
@@ -79,6 +85,55 @@ def test_engine_collector_gives_one_series_per_resident_adapter_and_observes_eac
     assert value(second, "loragw:kv_cache_blocks", tier="standard", state="free") == 256 - 64
 
 
+# ---- who may read them ----------------------------------------------------------------
+
+
+def gateway_with_usage(tmp_path, **config) -> Gateway:
+    """A gateway (no model, a store never touched) whose metrics bill `acme`
+    and serve a request to its adapter `acme-secret-lora`."""
+    gateway = Gateway(config=GatewayConfig(**config), store=_UnusedStore(), engine=FakeEngineClient(registry=None),
+                      admission=FakeAdmission())
+    gateway.metrics = fake_metrics(gateway.engine)
+    gateway.metrics.count_usage("acme", gpu_us=2_000_000, prompt_tokens=10, completion_tokens=5)
+    gateway.metrics.ttft.labels("standard", "acme-secret-lora").observe(0.1)
+    return gateway
+
+
+class _UnusedStore:
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("config", [{"admin_token": ADMIN_TOKEN}, {}], ids=["admin-token", "no-admin-token"])
+@pytest.mark.parametrize("auth", [None, "Bearer lgw-a-tenant-key", "Bearer " + ADMIN_TOKEN[:-1]])
+def test_metrics_on_the_public_port_need_the_admin_token(tmp_path, config, auth):
+    """Defect 8: any caller read every tenant's name, usage and adapters."""
+    with TestClient(create_app(gateway_with_usage(tmp_path, **config))) as client:
+        r = client.get("/metrics", headers={"Authorization": auth} if auth else {})
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"]
+    assert "acme" not in r.text and "loragw:" not in r.text
+
+
+def test_metrics_on_the_public_port_with_the_admin_token(tmp_path):
+    with TestClient(create_app(gateway_with_usage(tmp_path, admin_token=ADMIN_TOKEN))) as client:
+        r = client.get("/metrics", headers=ADMIN)
+    assert r.status_code == 200
+    samples = scrape(r.text)
+    assert value(samples, "loragw:tenant_gpu_seconds_total", tenant="acme") == 2.0
+    assert value(samples, "loragw:time_to_first_token_seconds_count", tier="standard", adapter="acme-secret-lora") == 1
+
+
+def test_metrics_listener_serves_metrics_without_auth_and_nothing_else(tmp_path):
+    gateway = gateway_with_usage(tmp_path, admin_token=ADMIN_TOKEN)
+    with TestClient(metrics_app(gateway)) as client:
+        r = client.get("/metrics")
+        assert r.status_code == 200
+        assert value(scrape(r.text), "loragw:tenant_gpu_seconds_total", tenant="acme") == 2.0
+        for path in ("/v1/models", "/admin/tenants", "/admin/alerts", "/health", "/openapi.json"):
+            assert client.get(path, headers=ADMIN).status_code == 404, path
+
+
 # ---- the live gateway ----------------------------------------------------------------
 
 SERIES = [
@@ -105,8 +160,9 @@ def live(tiny_llama_dir, tmp_path_factory):
     # its seat, which preempts the standard one (the premium seat rule).
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=1, num_kv_blocks=256,
                           premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
-                                     standard=TierLimits(max_waiting=8), premium=TierLimits(max_waiting=8)))
+    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
+                                     metrics_port=0, standard=TierLimits(max_waiting=8),
+                                     premium=TierLimits(max_waiting=8)))
     server = start_live_server(gw)
     server.keys = keys
     server.model = gw.served_model_name
@@ -142,7 +198,11 @@ def test_metrics_after_a_small_workload(live):
     billed = scrape(gw.metrics.render().decode()).get(gpu_s, 0.0)  # what billing counted, if it is wired
     gw.metrics.count_usage("vip", gpu_us=250_000, prompt_tokens=10, completion_tokens=8)
 
-    response = httpx.get(f"{live.url}/metrics")  # no auth, like vLLM's
+    # The public port keeps them from tenants; the metrics listener needs no token.
+    public = httpx.get(f"{live.url}/metrics", headers={"Authorization": f"Bearer {live.keys['vip']}"})
+    assert public.status_code == 401 and "vip" not in public.text and "crowd" not in public.text
+    assert httpx.get(f"{live.url}/metrics", headers=ADMIN).status_code == 200
+    response = httpx.get(f"{live.metrics_url}/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     families = {f.name for f in text_string_to_metric_families(response.text)}
     assert set(SERIES) <= families, set(SERIES) - families

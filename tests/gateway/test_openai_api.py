@@ -22,9 +22,8 @@ from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
-from tests.gateway.live import run_with_store, start_live_server
+from tests.gateway.live import ADMIN_TOKEN, run_with_store, start_live_server
 
-ADMIN_TOKEN = "test-admin-token"
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Say something."}]
 
@@ -186,6 +185,20 @@ def test_token_id_prompt(live):
     by_text = complete(live, max_tokens=5).choices[0].text
     ids = live.gateway.engine.tokenize(PROMPT)
     assert complete(live, prompt=ids, max_tokens=5).choices[0].text == by_text
+
+
+def test_role_injection_forged_turn_is_billed_as_plain_text(live, tiny_llama_dir):
+    """Control tokens typed into a message are ordinary text tokens, so the
+    forged system turn costs its full text in usage.prompt_tokens."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_chat_template import FORGED, hf_ids, smollm_reference
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    messages = [{"role": "user", "content": FORGED}]
+    reply = client(live).chat.completions.create(model=live.model, messages=messages, max_tokens=1)
+    assert reply.usage.prompt_tokens == len(smollm_reference(tokenizer, FORGED))
+    assert reply.usage.prompt_tokens != len(hf_ids(tokenizer, messages))
 
 
 # ---- models and adapters ----

@@ -1,10 +1,11 @@
-"""`loragw serve` as a real process: it prints the demo tenant's key, and on
-SIGTERM drains: a running stream finishes with [DONE], new requests get 503
-while /health still answers, and the process exits 0."""
+"""`loragw serve` as a real process: it prints the demo tenant's key (on
+stdout, never in the log), serves /metrics on its own port and reads the
+admin token from a file; and on SIGTERM drains: a running stream finishes
+with [DONE], new requests get 503 while /health still answers, and the
+process exits 0."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import re
@@ -17,9 +18,7 @@ import httpx
 import openai
 import pytest
 
-import migrations
-from gateway.server import ensure_demo_tenant
-from tests.gateway.live import run_with_store, wait_for
+from tests.gateway.live import wait_for
 
 
 def _free_port() -> int:
@@ -28,15 +27,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ADMIN_TOKEN = "a-token-read-from-a-file-0123456789"
+
+
 @pytest.fixture
 def served(tiny_llama_dir, tmp_path):
-    port = _free_port()
-    out = tmp_path / "stdout.txt"
+    port, metrics_port = _free_port(), _free_port()
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
     env = {**os.environ, "LORAGW_DATA_DIR": str(tmp_path / "data"), "LORAGW_DRAIN_TIMEOUT": "60"}
+    env.pop("LORAGW_ADMIN_TOKEN", None)
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-           "--max-num-seqs", "4", "--log-level", "warning"]
-    with open(out, "w") as stdout:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env)
+           "--max-num-seqs", "4", "--log-level", "info", "--metrics-port", str(metrics_port),
+           "--admin-token-file", str(token_file)]
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
     try:
         key = wait_for(lambda: re.search(r"lgw-[\w-]+", out.read_text()), 60, "the demo key")[0]
         url = f"http://127.0.0.1:{port}"
@@ -48,16 +54,32 @@ def served(tiny_llama_dir, tmp_path):
                 return proc.poll() is not None  # exited: fail below, not after a timeout
 
         wait_for(ready, 120, "/ready")
-        assert proc.poll() is None, out.read_text()
-        yield proc, url, key, out
+        assert proc.poll() is None, err.read_text()
+        proc.metrics_url = f"http://127.0.0.1:{metrics_port}"
+        yield proc, url, key, err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
+def test_serve_shows_the_demo_key_on_stdout_only_and_metrics_on_their_own_port(served):
+    proc, url, key, err = served
+    log = err.read_text()
+    assert "Application startup complete" in log  # the log stream was captured at info
+    assert key not in log  # defect 9: the key never goes through `logging`
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    assert [t["name"] for t in httpx.get(f"{url}/admin/tenants", headers=admin).json()["data"]] == ["demo"]
+    # Defect 8: a tenant's key cannot read /metrics on the public port; the
+    # metrics listener serves it to whoever reaches the port, and nothing else.
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=admin).status_code == 200
+    assert "loragw:num_requests_running" in httpx.get(f"{proc.metrics_url}/metrics").text
+    assert httpx.get(f"{proc.metrics_url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 404
+
+
 def test_sigterm_drains_the_running_stream_refuses_new_requests_and_exits_0(served):
-    proc, url, key, out = served
+    proc, url, key, err = served
     auth = {"Authorization": f"Bearer {key}"}
     (model,) = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]]
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 60, "min_tokens": 60, "stream": True,
@@ -82,7 +104,7 @@ def test_sigterm_drains_the_running_stream_refuses_new_requests_and_exits_0(serv
     # this reader was behind); its logprobs list one entry per token.
     tokens = [json.loads(e[6:])["choices"][0]["logprobs"]["tokens"] for e in [first, *events[:-1]]]
     assert sum(map(len, tokens)) == 60
-    assert proc.wait(timeout=60) == 0, out.read_text()
+    assert proc.wait(timeout=60) == 0, err.read_text()
 
 
 def _refused(client: openai.OpenAI, model: str):
@@ -91,17 +113,3 @@ def _refused(client: openai.OpenAI, model: str):
     except openai.InternalServerError as exc:
         return exc
     return None
-
-
-def test_the_demo_key_is_issued_only_on_an_empty_database(tmp_path):
-    url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
-    migrations.upgrade(url)
-    now = dt.datetime.now(dt.UTC)
-
-    async def twice(store):
-        first = await ensure_demo_tenant(store, now)
-        return first, await ensure_demo_tenant(store, now), await store.authenticate(first.secret, now=now)
-
-    first, second, principal = run_with_store(url, twice)
-    assert first.secret.startswith("lgw-") and second is None
-    assert principal.tenant.name == "demo"

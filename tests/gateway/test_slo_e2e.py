@@ -14,10 +14,9 @@ from gateway.config import GatewayConfig, TierLimits
 from gateway.server import build_gateway
 from gateway.slo import ALERT_NAME, SloConfig
 from gateway.tenancy import Tier
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server
 from tests.gateway.test_slo import Receiver
 
-ADMIN = "admin-secret"
 
 
 @pytest.fixture
@@ -37,7 +36,7 @@ def serve(tiny_llama_dir, tmp, receiver_url: str, *, tiers: bool):
     # requests in both windows take over 250 ms.
     slo = SloConfig(ttft_slo_s=0.3, ttft_alert_s=0.25, fast_window_s=30, slow_window_s=60, burn_rate=50,
                     min_samples=2, min_hold_s=0, eval_interval_s=0.2, webhook_urls=(receiver_url,))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN,
+    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
                                      enable_tiers=tiers, standard=TierLimits(max_waiting=16), slo=slo))
     server = start_live_server(gw)
     server.keys, server.model = keys, gw.served_model_name
@@ -85,7 +84,7 @@ def test_premium_is_protected_with_tiers_and_paged_when_starved_without(tiny_lla
         assert receiver.arrived.wait(10), "no alert reached the receiver"
         firing = receiver.payloads[0]
         assert firing["status"] == "firing" and firing["alerts"][0]["labels"]["tier"] == "premium"
-        alerts = httpx.get(f"{live.url}/admin/alerts", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        alerts = httpx.get(f"{live.url}/admin/alerts", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
         assert [a["labels"]["alertname"] for a in alerts["data"]] == [ALERT_NAME]
         assert httpx.get(f"{live.url}/admin/alerts").status_code == 401
     finally:

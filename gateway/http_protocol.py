@@ -1,0 +1,53 @@
+"""The HTTP/1.1 protocol the gateway serves: uvicorn's h11 protocol, pinned
+by `server.make_server` so that installing httptools (which uvicorn would
+otherwise prefer, and which has no header size limit of its own) cannot
+change the limits.
+
+h11 refuses a request head (request line plus headers) larger than its
+`max_incomplete_event_size` and says the status should be 431; uvicorn
+answers every parse error with a bare 400. This subclass answers that one
+with 431 and an OpenAI error body, then closes the connection, as it does
+for any other malformed request.
+"""
+
+from __future__ import annotations
+
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.errors import HeaderFieldsTooLarge
+
+
+class _Connection(h11.Connection):
+    """Remembers the status h11 suggests for the last malformed request."""
+
+    error_status = 400
+
+    def next_event(self):
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.error_status = exc.error_status_hint
+            raise
+
+
+class GatewayH11Protocol(H11Protocol):
+    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.conn = _Connection(h11.SERVER, config.h11_max_incomplete_event_size)
+
+    def send_400_response(self, msg: str) -> None:
+        if self.conn.error_status != 431:
+            super().send_400_response(msg)
+            return
+        limit = self.config.h11_max_incomplete_event_size
+        error = HeaderFieldsTooLarge(f"the request line and headers are over this server's limit of {limit} bytes")
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=error.status, headers=headers,
+                                    reason=b"Request Header Fields Too Large"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
