@@ -35,8 +35,6 @@ def engine_threads_beside_the_server() -> int:
 
 
 def _add_serve_parser(sub) -> None:
-    from gateway.config import GatewayConfig
-
     serve = sub.add_parser("serve", help="run the HTTP gateway (OpenAI-compatible API and admin API)")
     f = functools.partial(_env_flag, serve)
     f("--host", default="127.0.0.1", help="interface to listen on")
@@ -67,9 +65,6 @@ def _add_serve_parser(sub) -> None:
       help="seconds a standard request may expect to queue before its first token, else 429 (0: no bound)")
     f("--no-tiers", action="store_true", help="plain FCFS: no premium reserve, no tier limits")
     f("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
-    f("--max-stream-seconds", type=float, default=GatewayConfig.max_stream_seconds,
-      help="a streamed response's longest life; past it the request is aborted and the stream ends with an "
-           "error event (0: no limit)")
     f("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_observability_flags(f)
     _add_exposure_flags(f)
@@ -88,6 +83,9 @@ def _add_limit_flags(f) -> None:
       help="largest request line plus headers; more is refused with 431")
     f("--prepare-threads", type=int, default=C.prepare_threads,
       help="worker threads that parse, template and tokenize requests off the event loop")
+    f("--max-stream-seconds", type=float, default=C.max_stream_seconds,
+      help="a streamed response's longest life; past it the request is aborted and the stream ends with an "
+           "error event (0: no limit)")
 
 
 def _add_exposure_flags(f) -> None:
