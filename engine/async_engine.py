@@ -3,7 +3,10 @@
 The step loop runs in its own thread, so the event loop stays responsive
 while the engine is saturated. The thread owns the LLMEngine outright: the
 event loop only sends it commands through a queue and receives outputs
-through per-request asyncio queues, so no lock is ever held across a step.
+through per-request mailboxes, so no lock is ever held across a step. Each
+step's output is a delta; a mailbox merges the deltas its reader has not
+taken yet, so a slow reader costs O(its request's output), never a queue of
+one entry per step.
 If a step raises, every in-flight request ends with an EngineDeadError and
 later requests are refused; nothing waits forever.
 """
@@ -20,6 +23,7 @@ from typing import AsyncIterator, Hashable
 
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
+from engine.output_mailbox import OutputMailbox
 from engine.outputs import RequestOutput
 from engine.request import Tier
 from engine.sampling_params import SamplingParams
@@ -36,7 +40,7 @@ class _Add:
     adapter: str | None
     adapter_key: Hashable | None
     cache_salt: str | None
-    sink: asyncio.Queue
+    sink: OutputMailbox
     loop: asyncio.AbstractEventLoop
 
 
@@ -52,7 +56,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, OutputMailbox]] = {}
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
         self._dead: BaseException | None = None
@@ -74,13 +78,15 @@ class AsyncEngine:
         adapter_key: Hashable | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput each time the request advances; the last one
-        has `finished=True`. Leaving the iterator early aborts the request."""
+        """Yield the request's output as it advances, each a delta: what is
+        new since the previous one (several engine steps' worth, merged, when
+        the caller is slower than the engine). The last has `finished=True`.
+        Leaving the iterator early aborts the request."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
         request_id = request_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = OutputMailbox()
         self._commands.put(_Add(request_id, prompt, params, tier, adapter, adapter_key, cache_salt, sink, loop))
         finished = False
         try:
@@ -100,7 +106,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    async def _next(self, sink: asyncio.Queue):
+    async def _next(self, sink: OutputMailbox):
         # Polling the thread's health closes the race where the loop dies just
         # after this request's command was queued: it then never answers.
         while True:
@@ -153,7 +159,7 @@ class AsyncEngine:
                                         adapter=cmd.adapter, adapter_key=cmd.adapter_key,
                                         cache_salt=cmd.cache_salt)
             except Exception as exc:  # validation errors go back to the caller
-                cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
+                cmd.loop.call_soon_threadsafe(cmd.sink.put, exc)
                 return
             self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
         elif isinstance(cmd, _Abort) and cmd.request_id in self._sinks:
@@ -168,7 +174,7 @@ class AsyncEngine:
         if out.finished:
             del self._sinks[out.request_id]
         loop, sink = target
-        loop.call_soon_threadsafe(sink.put_nowait, out)
+        loop.call_soon_threadsafe(sink.put, out)
 
     def _fail_everything(self, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
@@ -177,7 +183,7 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the sinks below must still be told
             log.exception("could not clean up after engine failure")
         for loop, sink in self._sinks.values():
-            loop.call_soon_threadsafe(sink.put_nowait, error)
+            loop.call_soon_threadsafe(sink.put, error)
         self._sinks.clear()
         # Commands that arrived after the failure must not wait forever either.
         while True:
@@ -186,4 +192,4 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, error)
+                cmd.loop.call_soon_threadsafe(cmd.sink.put, error)

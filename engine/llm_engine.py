@@ -121,8 +121,9 @@ class LLMEngine:
         return self.core.scheduler.has_unfinished()
 
     def step(self, *, final_only: bool = False) -> list[RequestOutput]:
-        """Run one engine step; the outputs of the requests it changed (with
-        `final_only`, of those it finished, as `LLM.generate` needs)."""
+        """Run one engine step; the outputs of the requests it changed, each
+        the delta since that request's previous output (with `final_only`,
+        only of those it finished, each whole, as `LLM.generate` needs)."""
         failed = self._fail_unloadable_adapters()
         result = self.core.step()
         if result is None:

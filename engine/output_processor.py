@@ -1,4 +1,5 @@
-"""Turns the scheduler's per-sequence updates into RequestOutputs.
+"""Turns the scheduler's per-sequence updates into RequestOutputs, each
+the delta since the request's previous output (engine/outputs.py).
 
 Owns detokenization and stop strings (text-level stops need the tokenizer,
 which the scheduler must not know about): a matched stop string is reported
@@ -17,32 +18,67 @@ from engine.step_io import RequestUpdate
 
 
 @dataclass
+class _Sequence:
+    """One of a request's n completions: its detokenizer, whether it ended,
+    and what it produced since the request's last output. Nothing else is
+    kept, so an output costs O(what is new), not O(tokens so far)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    with_logprobs: bool
+    finish_reason: str | None = None
+    pending: CompletionOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def new_output(self) -> CompletionOutput:
+        """The undelivered delta, to add to."""
+        if self.pending is None:
+            self.pending = CompletionOutput(index=self.index, logprobs=[] if self.with_logprobs else None)
+        return self.pending
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> CompletionOutput:
+        self.finish_reason = reason
+        out = self.new_output()
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        return out
+
+    def take(self) -> CompletionOutput | None:
+        out, self.pending = self.pending, None
+        return out
+
+
+@dataclass
 class _Group:
-    """One caller-visible request: its n completions and their detokenizers."""
+    """One caller-visible request: its n completions."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    completions: list[CompletionOutput]
-    detokenizers: list[IncrementalDetokenizer]
+    sequences: list[_Sequence]
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0
     changed: bool = False
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        return all(s.finished for s in self.sequences)
 
     def output(self) -> RequestOutput:
+        """The delta since the previous output: the completions that changed."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[_snapshot(c) for c in self.completions],
+            outputs=[c for c in (s.take() for s in self.sequences) if c is not None],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            num_output_tokens=self.num_output_tokens,
         )
 
 
@@ -69,9 +105,8 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time),
-            completions=[CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-                         for i in range(params.n)],
-            detokenizers=[IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)],
+            sequences=[_Sequence(i, IncrementalDetokenizer(self.tokenizer, params), params.logprobs is not None)
+                       for i in range(params.n)],
         )
 
     def mark_scheduled(self, group_id: str, now: float, num_cached_tokens: int) -> None:
@@ -82,14 +117,10 @@ class OutputProcessor:
 
     def process(self, updates: list[RequestUpdate], now: float, *, final_only: bool = False) -> ProcessedStep:
         """Apply one step's updates. Every request that changed gets an
-        output, a snapshot of its completions so far; with `final_only`, only
-        the requests that finished do. The offline API reads nothing else,
-        and snapshotting every running request costs O(tokens so far) per
-        request per step, O(length^2) over a generation."""
+        output, the delta since its previous one; with `final_only`, only the
+        requests that finished do, so their one output holds everything (the
+        offline API reads nothing else)."""
         step = ProcessedStep(outputs=[])
-        for group in self._groups.values():
-            for c in group.completions:
-                c.delta_text, c.delta_token_ids = "", []
         for upd in updates:
             group = self._groups.get(upd.group_id)
             if group is None:
@@ -116,11 +147,10 @@ class OutputProcessor:
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
-        for comp, detok in zip(group.completions, group.detokenizers):
-            if not comp.finished:
-                comp.delta_text, comp.delta_token_ids = detok.finish(), []
-                comp.text += comp.delta_text
-                comp.finish_reason = reason.value
+        for seq in group.sequences:
+            if not seq.finished:
+                out = seq.finish(reason.value)
+                out.text += seq.detokenizer.finish()
         group.metrics.finished_time = now
         out = group.output()
         out.error = error
@@ -132,42 +162,24 @@ class OutputProcessor:
     @staticmethod
     def _apply(group: _Group, upd: RequestUpdate) -> bool:
         """Add one update's tokens; True when a stop string ended the sequence."""
-        comp = group.completions[upd.index]
-        detok = group.detokenizers[upd.index]
-        if comp.finished:
+        seq = group.sequences[upd.index]
+        if seq.finished:
             return False
         ids = [t.token_id for t in upd.new_tokens]
-        comp.token_ids.extend(ids)
-        comp.delta_token_ids.extend(ids)
-        if comp.logprobs is not None:
-            comp.logprobs.extend(
-                TokenLogprob(t.token_id, t.logprob, t.top_logprobs or ()) for t in upd.new_tokens)
-        result = detok.append(ids)
-        comp.delta_text += result.new_text
+        group.num_output_tokens += len(ids)
+        out = seq.new_output()
+        out.token_ids.extend(ids)
+        if out.logprobs is not None:
+            out.logprobs.extend(TokenLogprob(t.token_id, t.logprob, t.top_logprobs or ()) for t in upd.new_tokens)
+        result = seq.detokenizer.append(ids)
+        out.text += result.new_text
         stopped_by_string = result.stop_matched is not None
         if stopped_by_string:
-            comp.finish_reason = FinishReason.STOP.value
-            comp.stop_reason = result.stop_matched
+            seq.finish(FinishReason.STOP.value, result.stop_matched)
         elif upd.finish_reason is not None:
-            comp.finish_reason = upd.finish_reason.value
             last = ids[-1] if ids else None
-            if upd.finish_reason is FinishReason.STOP and last in group.params.stop_token_ids:
-                comp.stop_reason = last
-        if comp.finished and not stopped_by_string:
-            comp.delta_text += detok.finish()
-        comp.text += comp.delta_text
+            stop_token = upd.finish_reason is FinishReason.STOP and last in group.params.stop_token_ids
+            seq.finish(upd.finish_reason.value, last if stop_token else None)
+            out.text += seq.detokenizer.finish()
         # A stop string ends the sequence here even if the scheduler has not.
         return stopped_by_string and upd.finish_reason is None
-
-
-def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
-        index=c.index,
-        text=c.text,
-        token_ids=list(c.token_ids),
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-        logprobs=list(c.logprobs) if c.logprobs is not None else None,
-        delta_text=c.delta_text,
-        delta_token_ids=list(c.delta_token_ids),
-    )

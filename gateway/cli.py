@@ -84,6 +84,9 @@ def _add_limit_flags(f) -> None:
       help="largest request line plus headers; more is refused with 431")
     f("--prepare-threads", type=int, default=C.prepare_threads,
       help="worker threads that parse, template and tokenize requests off the event loop")
+    f("--max-stream-seconds", type=float, default=C.max_stream_seconds,
+      help="a streamed response's longest life; past it the request is aborted and the stream ends with an "
+           "error event (0: no limit)")
 
 
 def _add_exposure_flags(f) -> None:
@@ -168,6 +171,7 @@ def _serve_config(args: argparse.Namespace):
         premium=TierLimits(max_waiting=args.premium_max_waiting),
         standard=TierLimits(max_waiting=args.standard_max_waiting,
                             max_queue_wait_s=args.standard_max_queue_wait or None), drain_timeout_s=args.drain_timeout,
+        max_stream_seconds=args.max_stream_seconds or None,
         metrics_adapter_labels=args.metrics_adapter_labels, metrics_tenant_labels=args.metrics_tenant_labels,
         slo=_slo_config(args), prices=cli_usage.price_book(args), metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, demo_tenant=args.demo_tenant, max_request_bytes=args.max_request_bytes,

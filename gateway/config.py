@@ -59,6 +59,12 @@ class GatewayConfig:
     premium: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
     standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64, max_queue_wait_s=10.0))
     drain_timeout_s: float = 30.0
+    # A stream's longest life, from its first byte; then it is aborted and
+    # ends with an error event. Ten minutes is the OpenAI Python client's own
+    # default timeout, and time for a max-length answer at a few tokens per
+    # second under load; it bounds how long a stalled reader holds a sequence
+    # slot and its undelivered output. None: no deadline.
+    max_stream_seconds: float | None = 600.0
     max_upload_bytes: int = 256 * 1024 * 1024  # POST /admin/adapters, the one route with a larger body limit
     # Bounds at the edge (docs/gateway.md, "Limits"). A body over
     # `max_request_bytes` is refused with 413 while it is read, never

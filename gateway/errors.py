@@ -93,6 +93,13 @@ class RateLimited(APIError):
         self.retry_after_s = seconds
 
 
+class StreamDeadlineExceeded(APIError):
+    """A stream ran past the server's `max_stream_seconds` (Envoy's
+    max_stream_duration): it is aborted and ends with this as an event."""
+
+    status, type, code = 408, "timeout_error", "stream_deadline_exceeded"
+
+
 class ServiceUnavailable(APIError):
     status, type, code = 503, "service_unavailable", "service_unavailable"
 

@@ -64,6 +64,8 @@ class RequestLifecycle:
         self.request_id, self.model, self.adapter_key = request_id, model, adapter_key
         self.prompt_tokens = prompt_tokens
         self.last: RequestOutput | None = None
+        # Outputs are deltas: a choice's finish reason comes once, in its own.
+        self._finish_reasons: dict[int, str] = {}
         self.closed = False
         self._client_left = False
         self._reported = False
@@ -75,6 +77,7 @@ class RequestLifecycle:
 
     def saw(self, out: RequestOutput) -> RequestOutput:
         self.last = out
+        self._finish_reasons.update((c.index, c.finish_reason) for c in out.outputs if c.finished)
         self.ticket.started()
         if out.finished:
             # Report before the caller sends the last bytes: a client that
@@ -97,7 +100,7 @@ class RequestLifecycle:
         self._report()
 
     def _completion_tokens(self) -> int | None:
-        return None if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
+        return None if self.last is None else self.last.num_output_tokens
 
     def _report(self) -> None:
         if self._reported:
@@ -118,7 +121,7 @@ class RequestLifecycle:
             return "error"
         if not last.finished:
             return "client_disconnect"  # the gateway stops early only when its client left
-        reasons = [c.finish_reason for c in last.outputs]
+        reasons = set(self._finish_reasons.values())
         for reason in ("error", "abort", "length"):
             if reason in reasons:
                 return reason

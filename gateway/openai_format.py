@@ -36,7 +36,7 @@ _MIN_LOGPROB = -9999.0
 
 def usage_of(out: RequestOutput) -> Usage:
     prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+    completion = out.num_output_tokens  # cumulative even in a delta
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
@@ -79,15 +79,15 @@ class ResponseFormat:
                             for i in range(n)])
 
     def delta_chunk(self, c: CompletionOutput, text_offset: int) -> dict:
-        """The chunk for one choice's latest update. `text_offset` is how much
-        of this choice's text earlier chunks carried (for completion logprobs)."""
-        new_logprobs = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs is not None else None
+        """The chunk for one choice's delta (engine/outputs.py). `text_offset`
+        is how much of this choice's text earlier chunks carried (for
+        completion logprobs)."""
         if self.chat:
-            choice = ChatChunkChoice(index=c.index, delta=ChatDelta(content=c.delta_text),
-                                     finish_reason=c.finish_reason, logprobs=self._chat_logprobs(new_logprobs))
+            choice = ChatChunkChoice(index=c.index, delta=ChatDelta(content=c.text),
+                                     finish_reason=c.finish_reason, logprobs=self._chat_logprobs(c.logprobs))
         else:
-            choice = CompletionChoice(index=c.index, text=c.delta_text, finish_reason=c.finish_reason,
-                                      logprobs=self._completion_logprobs(new_logprobs, text_offset))
+            choice = CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                      logprobs=self._completion_logprobs(c.logprobs, text_offset))
         return self._chunk([choice])
 
     def usage_chunk(self, out: RequestOutput) -> dict:

@@ -6,15 +6,26 @@ The wire format is OpenAI's: `data: {chunk}\\n\\n` per update and a final
 error after the stream began can no longer change the status code, so it
 is sent as a `data: {"error": {...}}` event (which OpenAI clients raise).
 
+The engine's outputs are deltas (engine/outputs.py): a chunk carries what
+its choice produced since the previous chunk, several engine steps merged
+when the client reads slower than the engine writes, so a slow reader
+costs the server O(the request's output). `collect_output` folds the
+deltas into the whole output for a non-streamed response.
+
 `SSEResponse` watches for the client hanging up while it waits on the
 engine (`run_until_disconnect`, which non-streamed requests use too), so a
 dropped connection aborts the engine request at once instead of at the
 next token, and its `on_close` runs exactly once however the stream ends.
+It also bounds the stream's duration: past `max_seconds` the request is
+aborted and the stream ends with an error event and `[DONE]`, so a reader
+that stalls (or trickles) cannot hold a sequence slot and its output forever.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -22,10 +33,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from engine.outputs import RequestOutput
-from gateway.errors import InternalError, to_api_error
+from gateway.errors import InternalError, StreamDeadlineExceeded, to_api_error
 from gateway.openai_format import ResponseFormat
 
 DONE = b"data: [DONE]\n\n"
+# How long a stream past its deadline may take to hand over its error event.
+# A reader that stalled may never take it: the connection is then dropped.
+_DEADLINE_GRACE_S = 1.0
 
 
 def sse_event(payload: dict) -> bytes:
@@ -48,17 +62,13 @@ async def completion_events(first: RequestOutput, rest: AsyncIterator[RequestOut
         if role is not None:
             yield sse_event(role)
         text_sent = [0] * n
-        done = [False] * n
         out: RequestOutput | None = first
         last = first
         while out is not None:
             on_output(check_output(out))
-            for c in out.outputs:
-                if done[c.index] or not (c.delta_text or c.delta_token_ids or c.finished):
-                    continue
+            for c in out.outputs:  # only the choices that changed, each finishing once
                 yield sse_event(fmt.delta_chunk(c, text_sent[c.index]))
-                text_sent[c.index] += len(c.delta_text)
-                done[c.index] = c.finished
+                text_sent[c.index] += len(c.text)
             last = out
             out = await anext(rest, None)
         if include_usage:
@@ -70,30 +80,61 @@ async def completion_events(first: RequestOutput, rest: AsyncIterator[RequestOut
     yield DONE
 
 
+async def collect_output(first: RequestOutput, rest: AsyncIterator[RequestOutput], *,
+                         on_output: Callable[[RequestOutput], None]) -> RequestOutput:
+    """The whole output of a request: `first` (already handed on) with every
+    delta of `rest` folded in, each handed to `on_output` as it arrives."""
+    whole = dataclasses.replace(first, outputs=[])
+    whole.add(first)  # copies: the caller's `first` stays as it was
+    async for out in rest:
+        on_output(check_output(out))
+        whole.add(out)
+    return whole
+
+
 class SSEResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None]):
+    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
+                 max_seconds: float | None = None):
         self.events = events
         self.on_close = on_close
+        self.max_seconds = max_seconds
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
         async def stream() -> None:
+            nonlocal started
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
-            await run_until_disconnect(receive, stream)
+            with anyio.move_on_after(math.inf if self.max_seconds is None else self.max_seconds) as deadline:
+                await run_until_disconnect(receive, stream)
+            if deadline.cancelled_caught:
+                await self.events.aclose()  # aborts the engine request before anything else waits
+                await self._end_past_deadline(send, started)
         except OSError:  # the client went away mid-send
             pass
         finally:
             await self.events.aclose()
             self.on_close()
+
+    async def _end_past_deadline(self, send: Send, started: bool) -> None:
+        error = StreamDeadlineExceeded(f"the stream ran past the server's limit of {self.max_seconds:g} seconds")
+        with anyio.move_on_after(_DEADLINE_GRACE_S):
+            if not started:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": sse_event(error.body()) + DONE, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:

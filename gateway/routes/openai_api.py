@@ -29,7 +29,7 @@ from gateway.openai_format import ResponseFormat
 from gateway.prepare import Prepared, parse_body, prepare_chat, prepare_completion
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.store.base import NotFound
-from gateway.streaming import SSEResponse, check_output, completion_events, run_until_disconnect
+from gateway.streaming import SSEResponse, check_output, collect_output, completion_events, run_until_disconnect
 from gateway.tenancy import Principal
 from gateway.tracing import admission_span
 
@@ -160,13 +160,12 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
                                        on_output=lifecycle.saw)
             streaming = True  # the response owns the outputs and the lifecycle now
-            return SSEResponse(events, on_close=lifecycle.close)
+            return SSEResponse(events, on_close=lifecycle.close, max_seconds=gw.config.max_stream_seconds)
         final = first
 
         async def collect() -> None:
             nonlocal final
-            async for out in outputs:
-                final = lifecycle.saw(check_output(out))
+            final = await collect_output(first, outputs, on_output=lifecycle.saw)
 
         if not final.finished and not await run_until_disconnect(request.receive, collect):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is listening

@@ -55,12 +55,12 @@ def test_running_requests_finish_on_the_version_they_started_with(llm, adapter_d
     expected_v1 = _run(llm, "a")[0]
     engine = llm.engine
     engine.add_request(PROMPT, GREEDY, request_id="old", adapter="a")
-    engine.step()
+    engine.step(final_only=True)
     llm.adapters.import_dir("a", adapter_dirs["a-v2"])
     engine.add_request(PROMPT, GREEDY, request_id="new", adapter="a")
     done = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step(final_only=True):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert done["old"] == expected_v1
@@ -76,7 +76,7 @@ def test_an_adapter_that_cannot_load_fails_only_its_requests(llm, tmp_path):
     engine.add_request(PROMPT, GREEDY, request_id="fine", adapter="a")
     done = {}
     for _ in range(200):
-        for out in engine.step():
+        for out in engine.step(final_only=True):
             if out.finished:
                 done[out.request_id] = out
         if not engine.has_unfinished():

@@ -26,17 +26,26 @@ async def _collect(engine, prompt, params, **kw):
     return [out async for out in engine.generate(prompt, params, **kw)]
 
 
-def test_streams_incremental_outputs_that_add_up(engine):
+def _joined(outs) -> tuple[list[int], str]:
+    return sum((o.outputs[0].token_ids for o in outs), []), "".join(o.outputs[0].text for o in outs)
+
+
+def test_streams_deltas_that_add_up_to_the_offline_output(engine):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     outs = asyncio.run(_collect(engine, "Hello there", params))
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
-    final = outs[-1].outputs[0]
-    assert len(final.token_ids) == 8
-    assert sum((o.outputs[0].delta_token_ids for o in outs), []) == final.token_ids
-    assert "".join(o.outputs[0].delta_text for o in outs) == final.text
-    offline = engine.engine  # same engine, same greedy result when run again
-    assert final.token_ids == asyncio.run(_collect(engine, "Hello there", params))[-1].outputs[0].token_ids
-    assert not offline.has_unfinished()
+    assert outs[-1].num_output_tokens == 8
+    ids, text = _joined(outs)
+    assert len(ids) == 8
+    # The same engine, stepped offline (final outputs only) once its thread stopped, agrees.
+    engine.shutdown()
+    llm_engine = engine.engine
+    llm_engine.add_request("Hello there", params, request_id="offline")
+    final = []
+    while llm_engine.has_unfinished():
+        final += llm_engine.step(final_only=True)
+    (whole,) = final
+    assert (whole.outputs[0].token_ids, whole.outputs[0].text) == (ids, text)
 
 
 def test_many_concurrent_requests_all_finish(engine):
@@ -45,7 +54,7 @@ def test_many_concurrent_requests_all_finish(engine):
         return await asyncio.gather(*[_collect(engine, f"Prompt number {i}", params) for i in range(12)])
 
     results = asyncio.run(main())
-    assert all(r[-1].finished and len(r[-1].outputs[0].token_ids) == 6 for r in results)
+    assert all(r[-1].finished and r[-1].num_output_tokens == len(_joined(r)[0]) == 6 for r in results)
 
 
 def test_leaving_the_stream_early_aborts_and_frees(engine):
@@ -119,3 +128,34 @@ def test_event_loop_runs_while_a_step_is_in_progress(engine):
 
     ticks, outs = asyncio.run(main())
     assert ticks == 5 and outs[-1].finished
+
+
+def test_a_slow_reader_gets_the_steps_it_missed_merged_into_one_delta(engine):
+    """While the reader is away the engine keeps stepping; the mailbox folds
+    the deltas together, so the reader's next output has every step's text,
+    ids and logprobs in order, exactly as a prompt reader saw them."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24, logprobs=3, n=2)
+
+    async def prompt_reader():
+        return [out async for out in engine.generate("Hello there", params)]
+
+    async def slow_reader():
+        outs = []
+        async for out in engine.generate("Hello there", params):
+            outs.append(out)
+            while engine.engine.has_unfinished():  # let the engine finish while we do not read
+                await asyncio.sleep(0.01)
+        return outs
+
+    prompt, slow = asyncio.run(prompt_reader()), asyncio.run(slow_reader())
+    assert len(slow) <= 2 < len(prompt) and slow[-1].finished
+    for index in (0, 1):
+        def joined(outs):
+            parts = [c for o in outs for c in o.outputs if c.index == index]
+            return (sum((c.token_ids for c in parts), []), "".join(c.text for c in parts),
+                    [lp for c in parts for lp in c.logprobs], [c.finish_reason for c in parts if c.finished])
+
+        ids, text, logprobs, finish = joined(slow)
+        assert (ids, text, logprobs, finish) == joined(prompt)
+        assert len(ids) == 24 and [lp.token_id for lp in logprobs] == ids and finish == ["length"]
+    assert slow[-1].num_output_tokens == prompt[-1].num_output_tokens == 48

@@ -198,11 +198,11 @@ def test_invalid_prompts_are_rejected_and_leave_no_state(llm):
 def test_abort_returns_partial_output_and_frees_blocks(llm):
     engine = llm.engine
     engine.add_request("Count with me", SamplingParams(temperature=0.0, max_tokens=50), request_id="ab")
-    engine.step()
-    engine.step()
-    out = engine.abort("ab")
+    engine.step(final_only=True)
+    engine.step(final_only=True)
+    out = engine.abort("ab")  # the output not yet taken: here all of it
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert len(out.outputs[0].token_ids) == 2
+    assert len(out.outputs[0].token_ids) == out.num_output_tokens == 2
     assert not engine.has_unfinished()
     kv = engine.scheduler.kv
     assert kv.num_free_blocks() == kv.block_pool.num_blocks

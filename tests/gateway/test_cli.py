@@ -31,6 +31,13 @@ def test_serve_flags_default_to_their_env_variables(monkeypatch):
     assert config.engine.premium_reserved_fraction == 0.3
     assert config.standard.max_waiting == 7 and config.drain_timeout_s == 5.0
     assert config.enable_tiers and config.engine.enable_tiers
+    assert config.max_stream_seconds == GatewayConfig.max_stream_seconds == 600.0
+
+
+def test_max_stream_seconds_flag_and_zero_for_no_limit(monkeypatch):
+    monkeypatch.setenv("LORAGW_MAX_STREAM_SECONDS", "0")
+    assert _serve_config(_serve_args([])).max_stream_seconds is None
+    assert _serve_config(_serve_args(["--max-stream-seconds", "90"])).max_stream_seconds == 90.0
 
 
 def test_edge_limit_flags_take_their_defaults_from_the_config(monkeypatch):

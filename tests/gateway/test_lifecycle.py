@@ -53,7 +53,8 @@ def output(finished: bool, reasons=("stop",), tokens=3, error=None) -> RequestOu
             for i, r in enumerate(reasons)]
     return RequestOutput("r1", None, [1, 2, 3, 4], outs, finished=finished, num_cached_tokens=2,
                          metrics=RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5,
-                                                first_token_time=11.0), error=error)
+                                                first_token_time=11.0), error=error,
+                         num_output_tokens=tokens * len(reasons))
 
 
 def lifecycle(gw, ticket):
@@ -110,3 +111,19 @@ def test_the_record_goes_out_when_the_final_output_is_seen_before_the_response_e
     assert len(recorder.records) == 1 and gw.in_flight == 1
     life.close()
     assert len(recorder.records) == 1 and gw.in_flight == 0
+
+
+def test_the_record_weighs_finish_reasons_from_every_delta():
+    """Outputs are deltas: a choice that ended early ("length") is absent
+    from the last one, which carries only the choice that ended there."""
+    recorder = Recorder()
+    life = lifecycle(Gw([recorder]), Ticket())
+    early = output(False, reasons=("length", None), tokens=4)
+    early.outputs[0].finish_reason = "length"
+    last = output(True, reasons=("stop",), tokens=5)
+    last.outputs[0].index, last.num_output_tokens = 1, 13
+    life.saw(early)
+    life.saw(last)
+    life.close()
+    (record,) = recorder.records
+    assert record.finish_reason == "length" and record.completion_tokens == 13
