@@ -110,6 +110,12 @@ class BoundedRegex:
         self._re = compiled if program is None else None
         self._track = track
 
+    @property
+    def states(self) -> int:
+        """NFA instructions (0 when `re` runs it): a match costs at most
+        2 x states x (len(text) + 1) steps, lookarounds aside."""
+        return 0 if self._program is None else len(self._program)
+
     def fullmatch(self, text: str, budget: MatchBudget) -> bool:
         if self._re is not None:
             budget.spend(1)  # one C-speed match of at most O(n^2) steps on a short name

@@ -216,6 +216,13 @@ MALFORMED = {
     "DoRA": (lambda c, w: (spoil_config(c, use_dora=True), w), {}, "DoRA (use_dora=true) is not supported"),
     "unknown module": (lambda c, w: (spoil_config(c, target_modules=["q_proj", "foo_proj"]), w), {},
                        "unknown target module 'foo_proj'"),
+    "layers_pattern named group": (
+        lambda c, w: (spoil_config(c, layers_to_transform=[0], layers_pattern="(?P<idx>layers)"), w), {},
+        "layers_pattern: invalid regex '(?P<idx>layers)': redefinition of group name 'idx'"),
+    "lora_alpha NaN": (lambda c, w: (spoil_config(c, lora_alpha=float("nan")), w), {},
+                       "adapter_config.lora_alpha is nan; every number must be finite"),
+    "backreference regex": (lambda c, w: (spoil_config(c, target_modules=r"(.*)\1"), w), {},
+                            "backreferences are not supported"),
     "bad name": (lambda c, w: (c, w), {"name": "Bad/Name"}, "invalid adapter name 'Bad/Name'"),
     "no name": (lambda c, w: (c, w), {"name": None}, "name: Field required"),
     "shared not a bool": (lambda c, w: (c, w), {"shared": "maybe"}, "shared: Input should be a valid boolean"),
