@@ -238,3 +238,6 @@ def test_without_base_config_only_base_independent_checks_run(valid_files, valid
     _rename_layer(1, 5)(cfg, tensors)  # layers 0 and 5: layers 1..4 are targeted but missing
     with pytest.raises(AdapterError, match="missing LoRA tensors for model.layers.1"):
         registry.put("b", *as_upload(cfg, tensors))
+    _rename_layer(5, 10**9)(cfg, tensors)  # would make a billion candidate layers
+    with pytest.raises(AdapterError, match="layer index 1000000000 above 65536"):
+        registry.put("b", *as_upload(cfg, tensors))
