@@ -6,7 +6,8 @@ fields it does not know). `LoraSettings` answers, for a module key as peft
 names it on a `LlamaForCausalLM` (`model.layers.3.self_attn.q_proj`), whether
 the adapter targets it and with which rank and scaling, by peft 0.21's own
 rules: `check_target_module_exists` for target_modules, exclude_modules and
-layers_to_transform; `get_pattern_key` for rank_pattern and alpha_pattern.
+layers_to_transform; `get_pattern_key` for rank_pattern and alpha_pattern, with every regex
+matched by RE2 (see config_regex.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from adapters.bounded_regex import BoundedRegex, MatchBudget
-from adapters.errors import AdapterError
+from adapters.config_regex import MatchBudget, Regex, compile_regex
+from adapters.errors import AdapterError, shown
 
 # The LoRA-able projections of a Llama layer, and the submodule holding each.
 LORA_MODULES: dict[str, str] = {
@@ -57,17 +58,17 @@ def module_key(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{LORA_MODULES[module]}.{module}"
 
 
-def _pattern_keys(patterns: dict, where: str) -> list[tuple[str, BoundedRegex]]:
+def _pattern_keys(patterns: dict, where: str) -> list[tuple[str, Regex]]:
     """peft's `get_pattern_key` regex for each key: a dotted suffix of the module key."""
-    return [(p, BoundedRegex(rf"(.*\.)?({p})$", where=f"{where} key", user_part=p)) for p in patterns]
+    return [(p, compile_regex(rf"(.*\.)?({p})$", f"{where} key", tenant_part=p)) for p in patterns]
 
 
 @dataclass
 class LoraSettings:
     """The parts of adapter_config.json that decide targets, ranks and scaling.
 
-    Every regex is compiled once, at construction, into a `BoundedRegex`, and
-    all matching for one config draws on one `MatchBudget`."""
+    Every regex is compiled by RE2 once, at construction, and all matching
+    for one config draws on one `MatchBudget`."""
 
     r: int
     lora_alpha: float
@@ -87,14 +88,20 @@ class LoraSettings:
         self._target_regex = _regex(self.target_modules, "target_modules")
         self._exclude_regex = _regex(self.exclude_modules, "exclude_modules")
         self._layers_regexes = [
-            BoundedRegex(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", where="layers_pattern", user_part=p, track="idx")
+            compile_regex(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern", tenant_part=p)
             for p in _as_list(self.layers_pattern or [])
         ]
 
-    def _pattern_key(self, keys: list[tuple[str, BoundedRegex]], key: str) -> str | None:
+    @property
+    def regexes(self) -> list[Regex]:
+        """Every compiled regex of the config, in no particular order."""
+        found = [regex for _, regex in self._rank_keys + self._alpha_keys] + self._layers_regexes
+        return found + [r for r in (self._target_regex, self._exclude_regex) if r is not None]
+
+    def _pattern_key(self, keys: list[tuple[str, Regex]], key: str) -> str | None:
         """peft's `get_pattern_key`: the first pattern that matches a dotted suffix of `key`."""
         for pattern, regex in keys:
-            if regex.match(key, self.budget):
+            if self.budget.match(regex, key):
                 return pattern
         return None
 
@@ -113,12 +120,12 @@ class LoraSettings:
     def targets(self, key: str) -> bool:
         """peft's `check_target_module_exists` for a LoRA-able module key."""
         excl = self.exclude_modules
-        if self._exclude_regex is not None and self._exclude_regex.fullmatch(key, self.budget):
+        if self._exclude_regex is not None and self.budget.fullmatch(self._exclude_regex, key):
             return False
         if isinstance(excl, list) and (key in excl or any(key.endswith(f".{e}") for e in excl)):
             return False
         if self._target_regex is not None:
-            return self._target_regex.fullmatch(key, self.budget)
+            return self.budget.fullmatch(self._target_regex, key)
         if key in self.target_modules:
             return True
         if not any(key.endswith(f".{t}") for t in self.target_modules):
@@ -132,16 +139,17 @@ class LoraSettings:
             match = _DEFAULT_LAYER_INDEX.match(key)
             return int(match["idx"]) if match else None
         for regex in self._layers_regexes:
-            match = regex.match(key, self.budget)
+            match = self.budget.match(regex, key)
             if match:
                 # peft reads `idx` of the first pattern that matches, even when an
                 # alternation in the pattern left `idx` out (then: no layer).
-                return None if match.group is None else int(key[match.group[0]:match.group[1]])
+                idx = match.group("idx")
+                return None if idx is None else int(idx)
         return None
 
 
-def _regex(value, where: str) -> BoundedRegex | None:
-    return BoundedRegex(value, where=where) if isinstance(value, str) else None
+def _regex(value, where: str) -> Regex | None:
+    return compile_regex(value, where) if isinstance(value, str) else None
 
 
 def _as_list(value) -> list:
@@ -179,13 +187,7 @@ def check_features(cfg: dict) -> None:
         )
     for name, value in sorted(cfg.items()):
         if name not in _HANDLED_FIELDS and name not in _INERT_FIELDS and value:
-            raise AdapterError(f"unsupported adapter_config feature {_show(name)} (value {_show(value)})")
-
-
-def _show(value, limit: int = 80) -> str:
-    """repr for a message, cut short: the value came from a tenant."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+            raise AdapterError(f"unsupported adapter_config feature {shown(name)} (value {shown(value)})")
 
 
 def _number(value, name: str, kind: type, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -199,21 +201,8 @@ def _number(value, name: str, kind: type, lo: float, hi: float, *, lo_open: bool
     if not ok:
         noun = "an int" if kind is int else "a finite number"
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise AdapterError(f"{name} must be {noun} in {bound}, got {_show(value)}")
+        raise AdapterError(f"{name} must be {noun} in {bound}, got {shown(value)}")
     return value
-
-
-def _check_finite_everywhere(cfg: dict) -> None:
-    """No NaN or Infinity anywhere (Python's json accepts both), inert fields included."""
-    stack = [("adapter_config", cfg)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            raise AdapterError(f"{path} is {value!r}; every number must be finite")
-        if isinstance(value, dict):
-            stack.extend((f"{path}.{k}", v) for k, v in value.items())
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
 
 
 def _names(value, name: str, *, allow_str: bool) -> None:
@@ -222,28 +211,27 @@ def _names(value, name: str, *, allow_str: bool) -> None:
         return
     if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         what = "a string or a list of strings" if allow_str else "a list of strings"
-        raise AdapterError(f"{name} must be {what}, got {_show(value)}")
+        raise AdapterError(f"{name} must be {what}, got {shown(value)}")
     if len(value) > MAX_LIST_ENTRIES:
         raise AdapterError(f"{name} has {len(value)} entries; at most {MAX_LIST_ENTRIES}")
 
 
 def parse_settings(cfg: dict) -> LoraSettings:
     check_features(cfg)
-    _check_finite_everywhere(cfg)
     _number(cfg.get("lora_dropout") or 0.0, "lora_dropout", float, 0.0, 1.0)
     for attr, kind, hi in (("rank_pattern", int, MAX_RANK), ("alpha_pattern", float, MAX_LORA_ALPHA)):
         patterns = cfg.get(attr) or {}
         if not isinstance(patterns, dict):
-            raise AdapterError(f"{attr} must be an object, got {_show(patterns)}")
+            raise AdapterError(f"{attr} must be an object, got {shown(patterns)}")
         if len(patterns) > MAX_PATTERN_ENTRIES:
             raise AdapterError(f"{attr} has {len(patterns)} entries; at most {MAX_PATTERN_ENTRIES}")
         for pattern, value in patterns.items():
-            _number(value, f"{attr} {_show(pattern)}", kind, 0, hi, lo_open=True)
+            _number(value, f"{attr} {shown(pattern)}", kind, 0, hi, lo_open=True)
     targets = cfg.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         targets = list(LORA_MODULES)
     if not targets or (not isinstance(targets, str) and not isinstance(targets, list)):
-        raise AdapterError(f"target_modules must be a non-empty list of names or a regex string, got {_show(targets)}")
+        raise AdapterError(f"target_modules must be a non-empty list of names or a regex string, got {shown(targets)}")
     _names(targets, "target_modules", allow_str=True)
     for name in ("exclude_modules", "layers_pattern"):
         if cfg.get(name) is not None:
