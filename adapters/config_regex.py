@@ -34,10 +34,11 @@ MAX_PATTERN_CHARS = 512
 # instructions) and the rest for its lazily built DFA. google-re2 keeps the
 # last 128 compiled regexes, so at most 128 MiB stay cached process-wide.
 REGEX_MAX_MEM = 1 << 20
-# program instructions x characters over all matches of one config. A full
+# Program instructions x characters over all matches of one config. A full
 # per-module rank_pattern and alpha_pattern on an 80-layer model (560
-# entries each, matched against 560 module names) uses about half of it;
-# spent entirely, it is a few seconds of one worker thread.
+# entries each, matched against 560 module names) uses about 40% of it;
+# spent entirely, it is a few seconds of one worker thread (RE2 releases the
+# GIL while it matches).
 MATCH_BUDGET = 2_000_000_000
 # Both compile, with different meanings: Python reads `x{,3}` as `x{0,3}` and
 # `[[:alpha:]]` as the set `[:alph` then `]`; RE2 reads a literal `{,3}` and a
