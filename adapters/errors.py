@@ -24,3 +24,9 @@ class AdapterNotFound(AdapterError):
 
     def __init__(self, message: str, *, param: str = "model"):
         super().__init__(message, param=param)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr for an error message, cut short: the value came from a tenant."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters.errors import AdapterError
-from adapters.peft_config import LORA_MODULES, LoraSettings, module_key, parse_settings
+from adapters.peft_config import LORA_MODULES, MAX_LAYER_INDEX, LoraSettings, module_key, parse_settings
 
 EMBEDDING_KEYS = ("model.embed_tokens", "lm_head")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -95,6 +95,8 @@ def group_tensors(tensors: dict[str, torch.Tensor], num_layers: int | None) -> d
         if match is None or LORA_MODULES.get(match[3]) != match[2]:
             raise AdapterError(_explain_unknown_tensor(name))
         layer = int(match[1])
+        if num_layers is None and layer > MAX_LAYER_INDEX:  # without a base, layers 0..max are checked
+            raise AdapterError(f"tensor {name}: layer index {layer} above {MAX_LAYER_INDEX}")
         if num_layers is not None and layer >= num_layers:
             raise AdapterError(
                 f"tensor {name}: layer index {layer} out of range (the base model has {num_layers} layers)"

@@ -16,6 +16,7 @@ becomes a new version. A blob is removed when no live manifest refers to it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -34,6 +35,9 @@ from adapters.store import exclusive_lock, rename_atomic, write_atomic
 
 DATA_DIR_ENV = "LORAGW_DATA_DIR"
 DEFAULT_MAX_LORA_RANK = 64
+# A real adapter_config.json nests 3 deep (loftq_config, layer_replication);
+# a grammar bound, like protobuf's JSON parser's 100, not an operator's knob.
+MAX_CONFIG_DEPTH = 16
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _VERSION = re.compile(r"[1-9][0-9]*")
 _MANIFEST = re.compile(r"v([1-9][0-9]*)\.json(\.deleted)?")
@@ -296,13 +300,43 @@ class AdapterRegistry:
 
 
 def _parse_config(config_json: bytes) -> dict:
+    """The config as a dict of finite numbers, nested at most MAX_CONFIG_DEPTH deep.
+
+    Python's json reads `NaN`, `Infinity` and `1e400` (as inf), and raises
+    RecursionError on deep nesting; all are refused here, as a 400."""
     try:
-        cfg = json.loads(config_json)
-    except (UnicodeDecodeError, ValueError) as exc:
+        cfg = json.loads(config_json, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _too_deep() from None
+    except (UnicodeDecodeError, ValueError) as exc:  # also: integers past sys.get_int_max_str_digits()
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise AdapterError("adapter_config.json must hold a JSON object")
+    # A shallower tree that json.loads still took could exhaust the recursion
+    # limit later, in a repr() for an error message.
+    stack = [(cfg, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            raise _too_deep()
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return cfg
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number; every number must be finite")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range; every number must be finite")
+    return value
+
+
+def _too_deep() -> AdapterError:
+    return AdapterError(f"adapter_config.json is nested deeper than {MAX_CONFIG_DEPTH} levels of arrays and objects")
 
 
 def _parse_weights(weights: bytes) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from typing import Awaitable, Callable
 
 from billing.ledger import Ledger
 from billing.records import UsageRecord
+from billing.sqlite_file import create_private_sqlite_file
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ Resolver = Callable[[list[UsageRecord]], Awaitable[list[UsageRecord]]]
 class Spool:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        create_private_sqlite_file(path)  # usage records name tenants: owner-only (0600)
         self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)

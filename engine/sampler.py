@@ -6,7 +6,8 @@ Order of operations (HF transformers / vLLM):
      output tokens only, `logit -= frequency * count + presence * (count > 0)`);
   2. min_tokens: while a sequence is shorter, its stop token ids and EOS
      (unless ignore_eos) are masked to -inf;
-  3. greedy rows (temperature 0): one argmax for all of them;
+  3. greedy rows (temperature below SAMPLING_EPS, 0 included): one argmax
+     for all of them;
   4. random rows: temperature, top-k, top-p (the smallest set of tokens whose
      mass reaches top_p, always the top one), then inverse-CDF sampling with
      one uniform per draw. Top-k keeps exactly k tokens: a tie at the k-th

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import ValidationError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Below this a temperature means greedy (vLLM's _SAMPLING_EPS): dividing
+# float32 logits by a tiny (let alone subnormal) temperature overflows them to
+# +-inf, and the softmax of those is NaN.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's completions.
 
-    `temperature == 0` means greedy. `top_k <= 0` disables top-k. `logprobs`
+    A temperature below `SAMPLING_EPS` (0 included) means greedy. `top_k <= 0` disables top-k. `logprobs`
     is the number of top alternatives to return per token (0 returns only the
     sampled token's logprob, None returns nothing).
     """
@@ -44,7 +49,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -83,8 +88,9 @@ def _int_in(name: str, value, lo: int | None, hi: int | None) -> None:
 
 
 def _number_in(name: str, value, lo: float | None, hi: float | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValidationError(name, f"must be a number, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value))):
+        raise ValidationError(name, f"must be a finite number, got {value!r}")
     _check_range(name, value, lo, hi)
 
 

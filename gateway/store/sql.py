@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from pathlib import Path
 
 from sqlalchemy import delete, event, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
+from billing.sqlite_file import create_private_sqlite_file
 from gateway import keys
 from gateway.store.base import Conflict, NotFound, Store
 from gateway.store.outage import guard_unavailable
@@ -41,6 +43,9 @@ def create_engine(url: str, **kwargs) -> AsyncEngine:
                                   **kwargs.get("connect_args", {})}
     engine = create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
+        if engine.url.database not in (None, "", ":memory:") and not engine.url.database.startswith("file:"):
+            create_private_sqlite_file(Path(engine.url.database))  # before SQLite creates it 0644
+
         @event.listens_for(engine.sync_engine, "connect")
         def _foreign_keys_on(dbapi_connection, _record):
             cursor = dbapi_connection.cursor()

@@ -220,3 +220,14 @@ def test_data_dir_comes_from_the_environment(tmp_path, monkeypatch):
     assert AdapterRegistry().root == tmp_path / "adapters"
     monkeypatch.delenv("LORAGW_DATA_DIR")
     assert default_data_dir().name == "loragw"
+
+
+@pytest.mark.parametrize("depth", [17, 100_000])
+def test_deeply_nested_adapter_config_is_refused(depth, registry, valid_files):
+    """17 levels pass json.loads and would reach later code; 100,000 make it raise RecursionError."""
+    cfg, tensors = valid_files
+    config_json, weights = as_upload({**cfg, "eva_config": "HERE"}, tensors)
+    nested = b"[" * (depth - 1) + b"]" * (depth - 1)
+    with pytest.raises(AdapterError, match="adapter_config.json is nested deeper than 16 levels"):
+        registry.put("deep", config_json.replace(b'"HERE"', nested), weights)
+    assert registry.list() == []

@@ -129,8 +129,8 @@ REJECTIONS = {
     "fan_in_fan_out": (_set(fan_in_fan_out=True), "fan_in_fan_out=true is not supported"),
     "unknown feature": (_set(use_qalora=True), "unsupported adapter_config feature 'use_qalora'"),
     "pissa init": (_set(init_lora_weights="pissa_niter_4"), "init_lora_weights='pissa_niter_4' is not supported"),
-    "bad rank type": (_set(r=4.5), "r must be a positive int"),
-    "bad rank_pattern": (_set(rank_pattern={"q_proj": 0}), "rank_pattern q_proj must be a positive int"),
+    "bad rank type": (_set(r=4.5), "r must be an int in (0, 65536], got 4.5"),
+    "bad rank_pattern": (_set(rank_pattern={"q_proj": 0}), "rank_pattern 'q_proj' must be an int in (0, 65536], got 0"),
     "bad regex": (_set(target_modules="q_proj("), "target_modules: invalid regex"),
     "unexpected tensor": (_add_tensor(f"{Q0}.lora_C.weight"), f"unexpected tensor name {Q0}.lora_C.weight"),
     "unprefixed tensor": (_add_tensor("model.layers.0.self_attn.q_proj.lora_A.weight"), "unexpected tensor name"),
@@ -237,4 +237,7 @@ def test_without_base_config_only_base_independent_checks_run(valid_files, valid
     cfg, tensors = valid_files
     _rename_layer(1, 5)(cfg, tensors)  # layers 0 and 5: layers 1..4 are targeted but missing
     with pytest.raises(AdapterError, match="missing LoRA tensors for model.layers.1"):
+        registry.put("b", *as_upload(cfg, tensors))
+    _rename_layer(5, 10**9)(cfg, tensors)  # would make a billion candidate layers
+    with pytest.raises(AdapterError, match="layer index 1000000000 above 65536"):
         registry.put("b", *as_upload(cfg, tensors))

@@ -4,6 +4,9 @@ exactly once, also when the flusher dies between insert and delete."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sqlite3
+import stat
 
 import pytest
 
@@ -58,3 +61,30 @@ async def test_a_crash_between_insert_and_delete_replays_without_double_counting
     assert [r.request_id for r in records] == [f"r{i}" for i in range(5)]
     assert sum(r.gpu_us for r in records) == 100
     await engine.dispose()
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture
+def permissive_umask():
+    old = os.umask(0o022)  # the usual default: new files 0644, world-readable
+    yield
+    os.umask(old)
+
+
+def test_spool_file_is_created_owner_only(tmp_path, permissive_umask):
+    spool = Spool(tmp_path / "data" / "usage-spool.db")
+    spool.append([rec(1)])
+    files = sorted(p.name for p in (tmp_path / "data").iterdir())
+    assert files == ["usage-spool.db", "usage-spool.db-shm", "usage-spool.db-wal"]  # WAL mode, open
+    assert {name: _mode(tmp_path / "data" / name) for name in files} == dict.fromkeys(files, 0o600)
+    spool.close()
+
+
+def test_a_world_readable_spool_left_by_an_older_version_is_tightened(tmp_path, permissive_umask):
+    sqlite3.connect(tmp_path / "usage-spool.db").close()
+    assert _mode(tmp_path / "usage-spool.db") == 0o644
+    Spool(tmp_path / "usage-spool.db").close()
+    assert _mode(tmp_path / "usage-spool.db") == 0o600

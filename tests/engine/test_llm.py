@@ -38,6 +38,15 @@ def test_top_k_one_equals_greedy(llm):
     assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
 
 
+def test_subnormal_temperature_is_greedy(llm):
+    # 1e-40 is below float32's smallest normal: dividing the logits by it gave inf/NaN.
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, logprobs=1))
+    tiny = llm.generate(PROMPTS, SamplingParams(temperature=1e-40, max_tokens=10, logprobs=1, seed=5))
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+    logprobs = [lp.logprob for o in tiny for lp in o.outputs[0].logprobs]
+    assert logprobs and all(torch.isfinite(torch.tensor(logprobs)))
+
+
 def test_stop_string_is_cut_from_output(llm):
     full = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0].text
     assert len(full) > 6

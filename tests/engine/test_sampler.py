@@ -317,3 +317,22 @@ def test_entropy_sanity_of_plain_sampling():
     counts = draw_many(dict(), torch.zeros(500), 5000)
     assert len(counts) > 450
     assert max(counts.values()) < 40
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_subnormal_temperature_is_greedy_not_nan(temperature):
+    # Dividing float32 logits by 1e-40 (below float32's smallest normal)
+    # overflows them to +-inf, and inverse-CDF sampling over NaN picks garbage.
+    logits = random_logits(8, 300, seed=4)
+    reqs = [make_request(f"r{i}", temperature=temperature, seed=i if i % 2 else None, logprobs=2)
+            for i in range(8)]
+    out = Sampler(CPU).sample(logits, reqs)
+    assert [tokens_of(out, r.request_id)[0] for r in reqs] == logits.argmax(1).tolist()
+    assert all(s.logprob == s.logprob for r in reqs for s in out[r.request_id])
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_sampling_numbers_are_rejected(name, value):
+    with pytest.raises(ValueError, match=f"{name}: must be a finite number"):
+        SamplingParams(**{name: value})

@@ -154,6 +154,13 @@ def test_stop_string_ends_the_text_before_it(live):
     assert resp.choices[0].finish_reason == "stop"
 
 
+def test_subnormal_temperature_is_greedy_not_a_500(live):
+    greedy = complete(live, max_tokens=8)
+    tiny = complete(live, max_tokens=8, temperature=1e-40, logprobs=1)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert all(lp is not None and lp == lp for lp in tiny.choices[0].logprobs.token_logprobs)
+
+
 def test_seed_reproducibility(live):
     def sample(seed):
         return complete(live, temperature=1.0, seed=seed, max_tokens=12).choices[0].text

@@ -171,3 +171,22 @@ async def test_migrations_match_the_models(db_url):
         await migrations.upgrade_engine(store.engine)  # at head already: a no-op
     finally:
         await store.close()
+
+
+async def test_sqlite_database_is_created_owner_only(tmp_path):
+    import os
+    import stat
+
+    import migrations
+
+    old_umask = os.umask(0o022)  # the usual default: new files 0644, world-readable
+    try:
+        url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
+        await migrations.upgrade_async(url)
+        store = SqlStore.from_url(url)
+        await store.create_tenant("acme", Tier.STANDARD, TenantLimits())
+        await store.close()
+    finally:
+        os.umask(old_umask)
+    files = [p for p in tmp_path.iterdir() if p.name.startswith("loragw.db")]
+    assert files and {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o600 for p in files}
