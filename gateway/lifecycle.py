@@ -68,6 +68,7 @@ class RequestLifecycle:
         self._finish_reasons: dict[int, str] = {}
         self.closed = False
         self._client_left = False
+        self._server_aborted = False
         self._reported = False
         self._started_at = gw.wall_clock()
         self._t0 = gw.clock()
@@ -90,6 +91,11 @@ class RequestLifecycle:
         """The client hung up before the engine's first output: the request
         ends as a disconnect, not as an engine error."""
         self._client_left = True
+
+    def server_aborted(self) -> None:
+        """The gateway itself ended the request early (the stream deadline):
+        it is recorded as an abort, not as the client leaving."""
+        self._server_aborted = True
 
     def close(self) -> None:
         if self.closed:
@@ -120,7 +126,8 @@ class RequestLifecycle:
         if last is None or last.error is not None:
             return "error"
         if not last.finished:
-            return "client_disconnect"  # the gateway stops early only when its client left
+            # The gateway stops early when its client left, or at a deadline of its own.
+            return "abort" if self._server_aborted else "client_disconnect"
         reasons = set(self._finish_reasons.values())
         for reason in ("error", "abort", "length"):
             if reason in reasons:

@@ -96,10 +96,11 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 max_seconds: float | None = None):
+                 max_seconds: float | None = None, on_deadline: Callable[[], None] = lambda: None):
         self.events = events
         self.on_close = on_close
         self.max_seconds = max_seconds
+        self.on_deadline = on_deadline  # the server, not the client, ended the stream
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -119,6 +120,7 @@ class SSEResponse(Response):
             with anyio.move_on_after(math.inf if self.max_seconds is None else self.max_seconds) as deadline:
                 await run_until_disconnect(receive, stream)
             if deadline.cancelled_caught:
+                self.on_deadline()
                 await self.events.aclose()  # aborts the engine request before anything else waits
                 await self._end_past_deadline(send, started)
         except OSError:  # the client went away mid-send

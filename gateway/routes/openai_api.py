@@ -160,7 +160,8 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
                                        on_output=lifecycle.saw)
             streaming = True  # the response owns the outputs and the lifecycle now
-            return SSEResponse(events, on_close=lifecycle.close, max_seconds=gw.config.max_stream_seconds)
+            return SSEResponse(events, on_close=lifecycle.close, max_seconds=gw.config.max_stream_seconds,
+                               on_deadline=lifecycle.server_aborted)
         final = first
 
         async def collect() -> None:

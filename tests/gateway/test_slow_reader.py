@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from gateway.server import build_gateway
 from gateway.tenancy import Tier
+from tests.gateway.hangups import CountingObserver
 from tests.gateway.live import seed_tenants, start_live_server, wait_for
 
 N, TOP_LOGPROBS, MAX_TOKENS = 16, 20, 2000
@@ -138,6 +139,8 @@ def test_slow_reader_is_cut_off_at_the_stream_deadline(live):
     event cannot reach a reader that does not read. A reader that keeps up
     gets the deadline's error event, then [DONE]."""
     gw = live.gateway
+    ended = CountingObserver()
+    gw.observers.append(ended)
     sock = _open_stream(live.url, live.key, _stream_body(gw))
     try:
         received = sock.recv(READ_BYTES_PER_S)
@@ -159,3 +162,5 @@ def test_slow_reader_is_cut_off_at_the_stream_deadline(live):
     assert json.loads(error)["error"]["code"] == "stream_deadline_exceeded" and done == "[DONE]"
     assert len(events) > 3  # it streamed tokens until the deadline
     _wait_until_idle(gw)
+    # The server ended both, not their clients: billed as aborts.
+    assert [r.finish_reason for r in ended.ended] == ["abort", "abort"]
