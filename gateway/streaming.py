@@ -65,7 +65,8 @@ async def completion_events(first: RequestOutput, rest: AsyncIterator[RequestOut
         out: RequestOutput | None = first
         last = first
         while out is not None:
-            on_output(check_output(out))
+            on_output(out)  # an error output too: the record then says error
+            check_output(out)
             for c in out.outputs:  # only the choices that changed, each finishing once
                 yield sse_event(fmt.delta_chunk(c, text_sent[c.index]))
                 text_sent[c.index] += len(c.text)
@@ -87,7 +88,8 @@ async def collect_output(first: RequestOutput, rest: AsyncIterator[RequestOutput
     whole = dataclasses.replace(first, outputs=[])
     whole.add(first)  # copies: the caller's `first` stays as it was
     async for out in rest:
-        on_output(check_output(out))
+        on_output(out)
+        check_output(out)
         whole.add(out)
     return whole
 

@@ -155,7 +155,7 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
         if not await run_until_disconnect(request.receive, wait_first):
             lifecycle.client_left()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        lifecycle.saw(check_output(first))
+        check_output(lifecycle.saw(first))  # seen first: an engine error is then billed as one
         if body.stream:
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
                                        on_output=lifecycle.saw)

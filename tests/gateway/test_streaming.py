@@ -220,3 +220,27 @@ def test_a_reader_that_stalls_is_cut_off_at_the_deadline():
 
     body, closed = _run_sse(endless(), max_seconds=0.2, send_blocks=True)
     assert body == b"" and aborted == [True]  # it read nothing; the request is gone anyway
+
+
+def test_an_engine_failure_mid_stream_is_recorded_as_an_error_not_a_disconnect():
+    """The failed output reaches the lifecycle before it turns into the error
+    event, so the ledger says `error`, not `client_disconnect`."""
+    from tests.gateway.test_lifecycle import Gw, Recorder, Ticket, lifecycle
+
+    recorder = Recorder()
+    life = lifecycle(Gw([recorder]), Ticket())
+    fmt = ResponseFormat(id="cmpl-1", model="m", created=0, chat=False, decode=lambda ids: "")
+    failed = _out((0, "", "error"), error="step raised", so_far=2)
+
+    async def rest():
+        yield failed
+
+    async def stream():
+        return [e async for e in completion_events(_out((0, "ab", None)), rest(), fmt, n=1, include_usage=False,
+                                                   on_output=life.saw)]
+
+    events = asyncio.run(stream())
+    life.close()
+    assert b"engine_error" in events[-2] and events[-1] == b"data: [DONE]\n\n"
+    assert [r.finish_reason for r in recorder.records] == ["error"]
+
