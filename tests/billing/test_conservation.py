@@ -84,8 +84,12 @@ def test_mixed_workload_conserves_busy_time(tiny_llama_dir, tiny_adapter_dir, tm
 def test_premium_pays_for_the_recompute_it_causes(tiny_llama_dir, tmp_path):
     # One seat: premium arriving while standard runs takes its seat and
     # preempts it (the premium seat rule).
+    # No prefix caching: with it the victim's full blocks stay cached, and
+    # when it was preempted on a block boundary it resumes with nothing to
+    # recompute, so there is no charge to test (1 run in 16).
     server = start_billing_server(tmp_path, tiny_llama_dir, tenants={"gold": Tier.PREMIUM, "silver": Tier.STANDARD},
-                                  max_num_seqs=1, num_kv_blocks=256, premium_reserved_fraction=0.2)
+                                  max_num_seqs=1, num_kv_blocks=256, premium_reserved_fraction=0.2,
+                                  enable_prefix_caching=False)
     keys, model = server.keys, server.model
 
     async def workload():
