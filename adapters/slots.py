@@ -176,6 +176,12 @@ class LoraSlotManager:
     def resident(self) -> list[Hashable]:
         return list(self._slots)
 
+    @property
+    def host_resident(self) -> list[Hashable]:
+        """Adapters loaded on the host: a slot load away, with no disk read."""
+        with self._lock:
+            return list(self._host)
+
     def _take_slot(self, needed: set) -> int:
         if self._free_slots:
             return self._free_slots.pop()
