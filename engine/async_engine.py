@@ -27,6 +27,7 @@ from engine.output_mailbox import OutputMailbox
 from engine.outputs import RequestOutput
 from engine.request import Tier
 from engine.sampling_params import SamplingParams
+from engine.snapshot import EngineSnapshot, StepCounter, take_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ class AsyncEngine:
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        # Taken by the engine thread after every step that ran; readers get
+        # this reference, never the live scheduler (engine/snapshot.py).
+        self._counter = StepCounter()
+        engine.usage_sinks.append(lambda usage: self._counter.count(usage.busy_time_us))
+        self.snapshot: EngineSnapshot = take_snapshot(engine, self._counter)
         self._thread = threading.Thread(target=self._loop, name="loragw-engine", daemon=True)
         self._thread.start()
 
@@ -129,7 +135,9 @@ class AsyncEngine:
                 if not self._drain_commands(block=not busy):
                     return
                 if self.engine.has_unfinished():
-                    for out in self.engine.step():
+                    outputs = self.engine.step()
+                    self.snapshot = take_snapshot(self.engine, self._counter)
+                    for out in outputs:
                         self._deliver(out)
         except BaseException as exc:  # noqa: BLE001 - every in-flight request must hear of it
             log.exception("engine step loop failed")

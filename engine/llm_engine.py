@@ -9,9 +9,9 @@ import itertools
 import time
 from typing import Callable, Hashable
 
-from engine.chat_template import ChatTokenizer
 from engine.engine_core import EngineCore
 from engine.errors import ValidationError
+from engine.prompts import PromptEncoder
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request, Tier
@@ -35,7 +35,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.clock = clock
         self.output_processor = OutputProcessor(tokenizer)
-        self._chat: ChatTokenizer | None = None  # built on first use
+        self.prompts = PromptEncoder(tokenizer)
         self.usage_sinks: list[UsageSink] = []
         self._arrival = itertools.count()
         self._ids = itertools.count()
@@ -45,21 +45,10 @@ class LLMEngine:
         return self.core.scheduler
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValidationError("prompt", "token-id prompts must be lists of integers")
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ValidationError("prompt", f"token ids must be in [0, {vocab})")
-        return list(prompt)
+        return self.prompts.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Prompt ids of a chat; text typed in a message never becomes a
-        control token (engine/chat_template.py)."""
-        if self._chat is None:
-            self._chat = ChatTokenizer(self.tokenizer)
-        return self._chat.encode(messages)
+        return self.prompts.apply_chat_template(messages)
 
     def add_request(
         self,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Hashable
-
 from engine.sampling_params import SamplingParams
+
+# A LoRA adapter's registry key: (name, version, content digest). The engine
+# treats it as opaque and hashable; the worker protocol carries it as this.
+AdapterKey = tuple[str, int, str]
 
 
 class Tier(str, enum.Enum):
@@ -51,7 +53,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_seq: int
     tier: Tier = Tier.STANDARD
-    adapter_key: Hashable | None = None
+    adapter_key: AdapterKey | None = None
     cache_salt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None

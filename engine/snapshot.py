@@ -92,3 +92,35 @@ def take_snapshot(llm_engine, counter: StepCounter | None = None) -> EngineSnaps
         adapter_evictions=slots.num_evictions if slots else 0,
         recent_adapter_load_seconds=tuple(slots.recent_load_seconds)[-_RECENT_LOADS:] if slots else (),
         steps=counter.steps if counter else 0, busy_time_us=counter.busy_time_us if counter else 0)
+
+
+def combine_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
+    """One snapshot of several engines: counts and blocks add up, adapters
+    are the union. Block counts stay per-block, so `block_size` must agree."""
+    if not snapshots:
+        raise ValueError("no snapshots to combine")
+
+    def add(name: str) -> dict[Tier, int]:
+        out: dict[Tier, int] = {}
+        for snap in snapshots:
+            for tier, n in getattr(snap, name).items():
+                out[tier] = out.get(tier, 0) + n
+        return out
+
+    def total(name: str):
+        return sum(getattr(snap, name) for snap in snapshots)
+
+    def union(name: str) -> tuple:
+        return tuple(dict.fromkeys(key for snap in snapshots for key in getattr(snap, name)))
+
+    return EngineSnapshot(
+        num_running=add("num_running"), num_waiting=add("num_waiting"), num_preemptions=add("num_preemptions"),
+        kv_num_blocks=total("kv_num_blocks"), kv_used_blocks=total("kv_used_blocks"),
+        kv_free_blocks=total("kv_free_blocks"), kv_premium_reserved_blocks=total("kv_premium_reserved_blocks"),
+        kv_used_by_tier=add("kv_used_by_tier"), block_size=snapshots[0].block_size,
+        prefix_cache_queries=total("prefix_cache_queries"), prefix_cache_hits=total("prefix_cache_hits"),
+        num_lora_slots=total("num_lora_slots"), resident_adapters=union("resident_adapters"),
+        host_adapters=union("host_adapters"), adapter_loads=total("adapter_loads"),
+        adapter_evictions=total("adapter_evictions"),
+        recent_adapter_load_seconds=tuple(s for snap in snapshots for s in snap.recent_adapter_load_seconds),
+        steps=total("steps"), busy_time_us=total("busy_time_us"))

@@ -9,9 +9,7 @@ side by hand and never need torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
-
-from engine.request import FinishReason, Tier
+from engine.request import AdapterKey, FinishReason, Tier
 from engine.sampling_params import SamplingParams
 
 
@@ -49,7 +47,7 @@ class ScheduledRequest:
     # Tokens the penalties look at (prompt + output so far), only when sampling.
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    adapter_key: Hashable | None = None
+    adapter_key: AdapterKey | None = None
     # Facts for the step's usage record.
     tier: Tier = Tier.STANDARD
     prompt_len: int = 0
@@ -91,7 +89,7 @@ class SampledToken:
 class AdapterLoad:
     """One adapter copied into a device slot during a step, and how long it took."""
 
-    adapter_key: Hashable
+    adapter_key: AdapterKey
     load_us: int
 
 
@@ -111,7 +109,7 @@ class RequestStepUsage:
 
     request_id: str
     tier: Tier
-    adapter_key: Hashable | None
+    adapter_key: AdapterKey | None
     prompt_tokens_computed: int
     prompt_tokens_cached: int
     recomputed_tokens: int

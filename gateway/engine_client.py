@@ -2,15 +2,17 @@
 
 `EngineClient` is the seam the architecture names: the gateway prepares an
 `EngineRequest` (tokens, sampling, tier, adapter, cache salt) and reads back
-`RequestOutput`s. `InProcessEngineClient` runs the engine in this process,
-its step loop on a thread; remote engine workers will implement the same
-interface. The gateway never reaches past it into the scheduler.
+`RequestOutput`s. `gateway.workers.fleet.WorkerFleet` serves them from
+engine worker processes over the worker protocol; `InProcessEngineClient`
+runs one engine in this process, on a thread (tests, offline tools). The
+gateway never reaches past this seam into an engine.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import enum
 import logging
 import threading
 from dataclasses import dataclass
@@ -20,11 +22,11 @@ from typing import AsyncIterator
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.request import Tier
+from engine.prompts import PromptEncoder
 from engine.sampling_params import SamplingParams
+from engine.snapshot import EngineSnapshot, combine_snapshots
 
 log = logging.getLogger(__name__)
-
-_STATS_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -51,35 +53,26 @@ class KVCapacity:
         reserved = self.premium_reserved_tokens if tier is Tier.STANDARD else 0
         return self.total_tokens - reserved
 
+    @classmethod
+    def of(cls, snapshots: list[EngineSnapshot]) -> KVCapacity:
+        """The capacity of the engines behind these snapshots, together."""
+        return cls(total_tokens=sum(s.kv_num_blocks * s.block_size for s in snapshots),
+                   premium_reserved_tokens=sum(s.kv_premium_reserved_blocks * s.block_size for s in snapshots))
+
+
+class Health(str, enum.Enum):
+    """What /health and /ready report: every engine up, some down, none up."""
+
+    OK = "ok"
+    DEGRADED = "degraded"
+    UNAVAILABLE = "unavailable"
+
 
 @dataclass(frozen=True)
-class EngineStats:
-    """A point-in-time snapshot of the engine for metrics: plain values,
-    counters cumulative since the engine started. Dicts are keyed by tier."""
-
-    num_running: dict[Tier, int]
-    num_waiting: dict[Tier, int]
-    num_preemptions: dict[Tier, int]  # cumulative, by the victim's tier
-    kv_num_blocks: int
-    kv_used_blocks: int
-    kv_free_blocks: int  # cached (evictable) blocks included
-    kv_premium_reserved_blocks: int
-    kv_used_by_tier: dict[Tier, int]  # distinct blocks held by the tier's requests
-    prefix_cache_queries: int  # tokens looked up, cumulative
-    prefix_cache_hits: int  # tokens found, cumulative
-    resident_adapters: tuple[tuple[str, int], ...] = ()  # (name, version) in a device slot now
-    adapter_loads: int = 0  # host -> device slot loads, cumulative
-    adapter_evictions: int = 0
-    # Seconds of the most recent slot loads, oldest first (at most the last
-    # 1024); the last `min(len, adapter_loads - seen)` are new to a reader.
-    recent_adapter_load_seconds: tuple[float, ...] = ()
-
-    def kv_free_blocks_for(self, tier: Tier) -> int:
-        """Blocks a new allocation of `tier` could take now: standard may not
-        dip into the part of the premium reserve premium is not using."""
-        if tier is Tier.PREMIUM:
-            return self.kv_free_blocks
-        return max(0, self.kv_free_blocks - self.kv_premium_reserved_blocks)
+class FleetHealth:
+    status: Health
+    # worker id -> "ready", "loading", "down" or "failed: <why>"
+    workers: dict[str, str]
 
 
 class EngineNotReady(Exception):
@@ -89,8 +82,14 @@ class EngineNotReady(Exception):
 class EngineClient(abc.ABC):
     """Contract: `start()` begins loading and returns at once; `ready` turns
     true when requests can be served. Every other method except `shutdown`
-    raises EngineNotReady before that. `generate` yields incremental outputs
-    and aborts the request if the caller stops iterating early."""
+    and `health` raises EngineNotReady before that. `generate` yields
+    incremental outputs and aborts the request if the caller stops
+    iterating early.
+
+    Prompts are tokenized here, in the gateway's process (`prompts`, a
+    PromptEncoder); engines receive token ids. What the gateway knows of an
+    engine's state comes from the snapshots it publishes, never from its
+    live objects."""
 
     @property
     @abc.abstractmethod
@@ -109,35 +108,22 @@ class EngineClient(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def prompts(self) -> PromptEncoder: ...
+
+    @property
+    @abc.abstractmethod
     def model_dir(self) -> Path: ...
 
     @property
     @abc.abstractmethod
     def max_model_len(self) -> int: ...
 
-    @property
     @abc.abstractmethod
-    def kv_capacity(self) -> KVCapacity: ...
-
-    @abc.abstractmethod
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text prompt; a token-id prompt comes back checked
-        against the vocabulary (ValidationError otherwise)."""
+    def snapshots(self) -> dict[str, EngineSnapshot]:
+        """The latest snapshot of each engine that is up, by worker id."""
 
     @abc.abstractmethod
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
-
-    @abc.abstractmethod
-    def decode(self, token_ids: list[int]) -> str: ...
-
-    def token_floor(self, text: str) -> int:
-        """The fewest tokens `text` can tokenize to, known without tokenizing
-        it (engine/token_floor.py); 0 when the tokenizer gives no such bound."""
-        return 0
-
-    def chat_token_floor(self, messages: list[dict]) -> int:
-        """The same for a chat prompt: the floor of its rendered template."""
-        return 0
+    def health(self) -> FleetHealth: ...
 
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
@@ -148,23 +134,60 @@ class EngineClient(abc.ABC):
     @property
     @abc.abstractmethod
     def adapter_registry(self):
-        """The `adapters.registry.AdapterRegistry` the engine loads from,
+        """The `adapters.registry.AdapterRegistry` the engines load from,
         validated against this base model; None with LoRA off."""
 
-    def stats(self) -> EngineStats:
-        """A snapshot for metrics; cheap enough to call on every scrape and
-        safe to call from the event loop while the engine steps. Raises
-        EngineNotReady before the model is loaded."""
-        raise NotImplementedError(f"{type(self).__name__} does not report engine stats")
-
+    @abc.abstractmethod
     def add_usage_sink(self, sink) -> None:
-        """`sink(StepUsage)` is called, on the engine's thread, after every step."""
-        raise NotImplementedError(f"{type(self).__name__} does not report step usage")
+        """`sink(StepUsage)` is called after every step of every engine, in
+        each engine's step order, before that step's outputs are delivered."""
+
+    # ---- derived from the above ------------------------------------------------
+
+    def stats(self) -> EngineSnapshot:
+        """All engines together, for metrics and admission; cheap and safe
+        to call from the event loop. Raises EngineNotReady when none is up."""
+        snaps = list(self.snapshots().values())
+        if not snaps:
+            raise EngineNotReady(self.load_error or "no engine is up")
+        return combine_snapshots(snaps)
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        """The KV cache of every engine that is up: admission judges the fleet."""
+        snaps = list(self.snapshots().values())
+        if not snaps:
+            raise EngineNotReady(self.load_error or "no engine is up")
+        return KVCapacity.of(snaps)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt; a token-id prompt comes back checked
+        against the vocabulary (ValidationError otherwise)."""
+        return self.prompts.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.prompts.apply_chat_template(messages)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.prompts.decode(token_ids)
+
+    def token_floor(self, text: str) -> int:
+        """The fewest tokens `text` can tokenize to, known without tokenizing
+        it (engine/token_floor.py); 0 when the tokenizer gives no such bound."""
+        return self.prompts.token_floor(text)
+
+    def chat_token_floor(self, messages: list[dict]) -> int:
+        """The same for a chat prompt: the floor of its rendered template."""
+        return self.prompts.chat_token_floor(messages)
 
 
 class InProcessEngineClient(EngineClient):
-    """The engine in this process. The model loads on a thread so the server
-    answers /health and /ready while it loads."""
+    """The engine in this process, its step loop on a thread: for tests and
+    the offline tools (the gateway proper runs engines in worker processes).
+    The model loads on a thread so the server answers /health and /ready
+    while it loads."""
+
+    WORKER_ID = "0"
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -172,7 +195,6 @@ class InProcessEngineClient(EngineClient):
         self._loaded = threading.Event()
         self._load_error: str | None = None
         self._sinks: list = []
-        self._max_chars_per_token: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -188,12 +210,10 @@ class InProcessEngineClient(EngineClient):
     def _load(self) -> None:
         from engine.async_engine import AsyncEngine
         from engine.builder import build_llm_engine
-        from engine.token_floor import max_chars_per_token
 
         try:
             llm_engine = build_llm_engine(self.config)
             llm_engine.usage_sinks.extend(self._sinks)
-            self._max_chars_per_token = max_chars_per_token(llm_engine.tokenizer)
             self._engine = AsyncEngine(llm_engine)
             log.info("model ready: %s", llm_engine.model_dir)
         except Exception as exc:  # noqa: BLE001 - reported through /ready and load_error
@@ -218,6 +238,10 @@ class InProcessEngineClient(EngineClient):
         return self._engine.engine
 
     @property
+    def prompts(self) -> PromptEncoder:
+        return self._llm.prompts
+
+    @property
     def model_dir(self) -> Path:
         return Path(self._llm.model_dir)
 
@@ -225,31 +249,17 @@ class InProcessEngineClient(EngineClient):
     def max_model_len(self) -> int:
         return self._llm.max_model_len
 
-    @property
-    def kv_capacity(self) -> KVCapacity:
-        kv = self._llm.scheduler.kv
-        return KVCapacity(total_tokens=kv.block_pool.num_blocks * kv.block_size,
-                          premium_reserved_tokens=kv.premium_reserved_blocks * kv.block_size)
+    def snapshots(self) -> dict[str, EngineSnapshot]:
+        if not self.ready:
+            return {}
+        return {self.WORKER_ID: self._engine.snapshot}
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self._llm.tokenize(prompt)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self._llm.apply_chat_template(messages)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._llm.tokenizer.decode(token_ids, skip_special_tokens=False)
-
-    def token_floor(self, text: str) -> int:
-        per_token = self._max_chars_per_token
-        return -(-len(text) // per_token) if per_token else 0
-
-    def chat_token_floor(self, messages: list[dict]) -> int:
-        tokenizer = self._llm.tokenizer
-        if not self._max_chars_per_token or not getattr(tokenizer, "chat_template", None):
-            return 0
-        # Rendering is string work; tokenizing the result is what costs.
-        return self.token_floor(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    def health(self) -> FleetHealth:
+        if self.ready:
+            return FleetHealth(Health.OK, {self.WORKER_ID: "ready"})
+        state = f"failed: {self._load_error}" if self._load_error else ("down" if self._engine else "loading")
+        status = Health.OK if state == "loading" else Health.UNAVAILABLE
+        return FleetHealth(status, {self.WORKER_ID: state})
 
     @property
     def adapter_registry(self):
@@ -266,35 +276,8 @@ class InProcessEngineClient(EngineClient):
         if self._engine is not None:
             self._engine.abort(request_id)
 
-    def stats(self) -> EngineStats:
-        # The engine thread mutates these objects while we read them. Each
-        # read is of ints, or a copy made under the GIL; the one walk over
-        # live requests (KV usage by tier) can meet a dict resized under it,
-        # so it is retried.
-        llm = self._llm
-        sched, kv = llm.scheduler, llm.scheduler.kv
-        for attempt in range(_STATS_RETRIES):
-            try:
-                usage = kv.usage()
-                break
-            except RuntimeError:  # "dictionary changed size during iteration"
-                if attempt == _STATS_RETRIES - 1:
-                    raise
-        slots = llm.lora_slots
-        return EngineStats(
-            num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_preemptions=dict(sched.num_preemptions),
-            kv_num_blocks=usage.num_blocks, kv_used_blocks=usage.num_used, kv_free_blocks=usage.num_free,
-            kv_premium_reserved_blocks=usage.num_reserved_premium, kv_used_by_tier=dict(usage.used_by_tier),
-            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-            resident_adapters=tuple((key[0], key[1]) for key in slots.resident) if slots else (),
-            adapter_loads=slots.num_loads if slots else 0,
-            adapter_evictions=slots.num_evictions if slots else 0,
-            recent_adapter_load_seconds=tuple(slots.recent_load_seconds) if slots else ())
-
     def add_usage_sink(self, sink) -> None:
         if self._engine is not None:
             self._engine.engine.usage_sinks.append(sink)
         else:
             self._sinks.append(sink)
-

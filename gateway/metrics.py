@@ -6,8 +6,9 @@ every gateway, and every test, has metrics of its own. Three sources feed it:
 
 - request-level histograms and counters from `on_request_end` (it is a
   `RequestObserver`, registered in `build_gateway`);
-- engine and admission state, read at scrape time by `_EngineCollector`
-  from `EngineClient.stats()` and `AdmissionController.snapshot()`;
+- engine state, read at scrape time from the workers' latest snapshots
+  (`EngineClient.snapshots()`, engine/snapshot_metrics.py), labelled by
+  `worker`; admission state from `AdmissionController.snapshot()`;
 - billing, which calls `count_usage` for every metered request.
 
 Label cardinality is documented in docs/observability.md: `tier` (2),
@@ -22,11 +23,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.engine_client import EngineNotReady, EngineStats
+from engine.snapshot_metrics import PREFIX, SnapshotCollector
 from gateway.lifecycle import RequestObserver, RequestRecord
 from gateway.tenancy import Tier
 
-PREFIX = "loragw:"
 OTHER = "other"  # the label value once a bounded label is full
 BASE_MODEL = "base"  # the adapter label of requests to the base model
 
@@ -39,7 +39,6 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FINISH_REASONS = ("stop", "length", "abort", "client_disconnect", "error")
 REJECT_REASONS = ("max_waiting", "max_queued_tokens", "max_concurrent", "requests_per_minute",
                   "tokens_per_minute")
@@ -97,7 +96,9 @@ class GatewayMetrics(RequestObserver):
                 self.success.labels(tier.value, reason)
             self.prompt_tokens.labels(tier.value)
             self.generation_tokens.labels(tier.value)
-        r.register(_EngineCollector(engine, admission))
+        r.register(_AdmissionCollector(admission))
+        # Engine state from the workers' snapshots, one series per worker.
+        r.register(SnapshotCollector(engine.snapshots, label_workers=True))
 
     # ---- sources --------------------------------------------------------------
 
@@ -137,29 +138,13 @@ def time_per_output_token(record: RequestRecord) -> float | None:
     return (m.finished_time - m.first_token_time) / (record.completion_tokens - 1)
 
 
-class _EngineCollector(Collector):
-    """Engine and admission state, read when Prometheus scrapes. Before the
-    model is loaded only the admission series are there."""
+class _AdmissionCollector(Collector):
+    """Admission state, read when Prometheus scrapes."""
 
-    def __init__(self, engine, admission):
-        self._engine = engine
+    def __init__(self, admission):
         self._admission = admission
-        self._load_seconds = Histogram(f"{PREFIX}lora_adapter_load_seconds",
-                                       "Seconds to load an adapter into a device slot.",
-                                       buckets=ADAPTER_LOAD_BUCKETS, registry=None)
-        self._loads_seen = 0
 
     def collect(self):
-        yield from self._admission_families()
-        try:
-            stats = self._engine.stats()
-        except (EngineNotReady, NotImplementedError):
-            return
-        yield from _scheduler_families(stats)
-        yield from _kv_families(stats)
-        yield from self._adapter_families(stats)
-
-    def _admission_families(self):
         waiting = GaugeMetricFamily(f"{PREFIX}admission_waiting_requests",
                                     "Admitted requests without a first token yet (the tier's 429 queue).",
                                     labels=["tier"])
@@ -173,59 +158,3 @@ class _EngineCollector(Collector):
             for reason in sorted(set(REJECT_REASONS) | set(snap["rejected"])):
                 rejected.add_metric([tier, reason], snap["rejected"].get(reason, 0))
         yield from (waiting, queued, rejected)
-
-    def _adapter_families(self, stats: EngineStats):
-        resident = GaugeMetricFamily(f"{PREFIX}lora_adapter_resident",
-                                     "1 for each adapter version in a device slot now.",
-                                     labels=["adapter", "version"])
-        for name, version in stats.resident_adapters:
-            resident.add_metric([name, str(version)], 1)
-        yield resident
-        yield CounterMetricFamily(f"{PREFIX}lora_adapter_loads", "Adapter loads into a device slot.",
-                                  value=stats.adapter_loads)
-        yield CounterMetricFamily(f"{PREFIX}lora_adapter_evictions", "Adapters evicted from a device slot.",
-                                  value=stats.adapter_evictions)
-        new = min(len(stats.recent_adapter_load_seconds), stats.adapter_loads - self._loads_seen)
-        for seconds in stats.recent_adapter_load_seconds[len(stats.recent_adapter_load_seconds) - new:]:
-            self._load_seconds.observe(seconds)
-        self._loads_seen = stats.adapter_loads
-        yield from self._load_seconds.collect()
-
-
-def _by_tier(name: str, doc: str, values: dict, family=GaugeMetricFamily):
-    metric = family(f"{PREFIX}{name}", doc, labels=["tier"])
-    for tier in Tier:
-        metric.add_metric([tier.value], values.get(tier, 0))
-    return metric
-
-
-def _scheduler_families(stats: EngineStats):
-    yield _by_tier("num_requests_running", "Number of requests in model execution batches.", stats.num_running)
-    yield _by_tier("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
-    yield _by_tier("num_preemptions", "Cumulative number of preemptions, by the preempted request's tier.",
-                   stats.num_preemptions, CounterMetricFamily)
-
-
-def _kv_families(stats: EngineStats):
-    yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                            value=stats.kv_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0)
-    usage = GaugeMetricFamily(f"{PREFIX}kv_cache_tier_usage_perc",
-                              "Blocks held by the tier's requests over the blocks the tier may use.",
-                              labels=["tier"])
-    blocks = GaugeMetricFamily(f"{PREFIX}kv_cache_blocks",
-                               "KV blocks per tier: reserved for it, used by it, free for it to take.",
-                               labels=["tier", "state"])
-    for tier in Tier:
-        reserved = stats.kv_premium_reserved_blocks if tier is Tier.PREMIUM else 0
-        usable = stats.kv_num_blocks - (0 if tier is Tier.PREMIUM else stats.kv_premium_reserved_blocks)
-        used = stats.kv_used_by_tier.get(tier, 0)
-        usage.add_metric([tier.value], used / usable if usable else 0.0)
-        blocks.add_metric([tier.value, "reserved"], reserved)
-        blocks.add_metric([tier.value, "used"], used)
-        blocks.add_metric([tier.value, "free"], stats.kv_free_blocks_for(tier))
-    yield from (usage, blocks)
-    yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries",
-                              "Prefix cache queries, in terms of number of queried tokens.",
-                              value=stats.prefix_cache_queries)
-    yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                              value=stats.prefix_cache_hits)

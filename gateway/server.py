@@ -28,7 +28,7 @@ import uvicorn
 from gateway.app import Gateway, create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.demo_tenant import announce_demo_key, ensure_demo_tenant
-from gateway.engine_client import InProcessEngineClient
+from gateway.engine_client import EngineClient
 from gateway.http_protocol import GatewayH11Protocol
 from gateway.metrics import GatewayMetrics
 from gateway.routes.observability import metrics_app
@@ -42,13 +42,17 @@ log = logging.getLogger(__name__)
 _FORCE_STOP_S = 2.0
 
 
-def build_gateway(config: GatewayConfig) -> Gateway:
-    """The production wiring: SQL store, in-process engine, admission control."""
+def build_gateway(config: GatewayConfig, *, engine: EngineClient | None = None, log_level: str = "info") -> Gateway:
+    """The production wiring: SQL store, the engine workers (`engine`
+    replaces them: tests pass an InProcessEngineClient), admission control
+    judged against the fleet's capacity."""
     from gateway.admission import AdmissionController
     from gateway.store.sql import SqlStore
+    from gateway.workers.fleet import build_fleet
 
     store = SqlStore.from_url(config.resolved_db_url())
-    engine = InProcessEngineClient(config.engine)
+    if engine is None:
+        engine = build_fleet(config, log_level=log_level)
     admission = AdmissionController({Tier.PREMIUM: config.premium, Tier.STANDARD: config.standard},
                                     lambda: engine.kv_capacity, enabled=config.enable_tiers,
                                     clock=time.monotonic)
@@ -188,7 +192,7 @@ async def serve(config: GatewayConfig, *, log_level: str = "info") -> None:
     """Build the gateway, create the demo tenant where the config asks for
     it (demo_tenant.py), and serve until drained. The schema must already be
     migrated."""
-    gateway = build_gateway(config)
+    gateway = build_gateway(config, log_level=log_level)
     server = make_server(gateway, log_level=log_level)
     issued = await ensure_demo_tenant(config, gateway.store, gateway.wall_clock())
     if issued is not None:

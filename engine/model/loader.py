@@ -235,7 +235,7 @@ def load_model(
     net = LlamaForCausalLM(hf_config, attn_backend, dtype, torch.device(device))
     net.load_weights(iter_safetensors(files))
     net.eval()
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     chat_template = getattr(tokenizer, "chat_template", None) or None
     return LoadedModel(
         model=net,
@@ -248,7 +248,7 @@ def load_model(
     )
 
 
-def _load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:

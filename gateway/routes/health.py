@@ -1,8 +1,8 @@
 """Probes: /health (the process answers) and /ready (it can serve).
 
 Neither touches the store or waits on the engine: /health must answer in
-milliseconds even while the engine is saturated, so a busy replica is never
-restarted for being busy. /ready turns 503 while the model loads, after it
+milliseconds even while the engines are saturated, so a busy replica is
+never restarted for being busy; it reads the workers' last heartbeats only. /ready turns 503 while the model loads, after it
 failed to load, and during the shutdown drain, so a load balancer stops
 sending work there.
 """
@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.deps import gateway_of
+from gateway.engine_client import Health
 
 
 def routes() -> list[Route]:
@@ -21,18 +22,27 @@ def routes() -> list[Route]:
 
 
 async def health(request: Request) -> JSONResponse:
-    return JSONResponse({"status": "ok"})
+    """200 while some engine is up or still loading for the first time
+    ("ok", or "degraded" with the workers that are down); 503 when none is
+    up ("unavailable")."""
+    fleet = gateway_of(request).engine.health()
+    body = {"status": fleet.status.value, "workers": fleet.workers}
+    return JSONResponse(body, status_code=503 if fleet.status is Health.UNAVAILABLE else 200)
 
 
 async def ready(request: Request) -> JSONResponse:
     gw = gateway_of(request)
     engine = gw.engine
+    fleet = engine.health()
     if gw.draining:
         reason = "draining for shutdown"
     elif engine.ready:
-        return JSONResponse({"status": "ready", "model": gw.served_model_name})
+        return JSONResponse({"status": "ready", "model": gw.served_model_name, "health": fleet.status.value,
+                             "workers": fleet.workers})
     elif engine.load_error is not None:
         reason = f"the model failed to load: {engine.load_error}"
+    elif fleet.status is Health.UNAVAILABLE:
+        reason = "no engine worker is up"
     else:
         reason = "the model is loading"
-    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+    return JSONResponse({"status": "unavailable", "reason": reason, "workers": fleet.workers}, status_code=503)

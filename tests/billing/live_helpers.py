@@ -9,9 +9,8 @@ from billing.ledger import Ledger
 from billing.records import UsageRecord
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
-from gateway.server import build_gateway
 from gateway.tenancy import Tier
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server
 
 
 def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], grants=(), adapter_dir=None,
@@ -24,7 +23,7 @@ def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], gran
     db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, tenants, grants)
     engine = EngineConfig(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
                                      standard=tier_limits, premium=tier_limits))
     steps = []
     gw.engine.add_usage_sink(steps.append)

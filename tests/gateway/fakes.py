@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapters.registry import AdapterRegistry
-from gateway.engine_client import EngineClient, EngineStats, KVCapacity
+from engine.snapshot import EngineSnapshot
+from gateway.engine_client import EngineClient, FleetHealth, Health
 from gateway.tenancy import Tier
 
 
@@ -41,8 +42,11 @@ class FakeEngineClient(EngineClient):
         return 2048
 
     @property
-    def kv_capacity(self) -> KVCapacity:
-        return KVCapacity(total_tokens=4096, premium_reserved_tokens=1024)
+    def prompts(self):
+        raise NotImplementedError("FakeEngineClient tokenizes one token per character, with no tokenizer")
+
+    def health(self) -> FleetHealth:
+        return FleetHealth(Health.OK, {"0": "ready"})
 
     def tokenize(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -59,14 +63,18 @@ class FakeEngineClient(EngineClient):
     def abort(self, request_id: str) -> None:
         pass
 
-    def stats(self) -> EngineStats:
-        return self.engine_stats
+    def add_usage_sink(self, sink) -> None:
+        pass  # no engine, so no steps to report
 
-    engine_stats = EngineStats(
+    def snapshots(self) -> dict[str, EngineSnapshot]:
+        return {"0": self.engine_stats}
+
+    # 256 blocks of 16 tokens: 4096 tokens, 1024 of them reserved for premium.
+    engine_stats = EngineSnapshot(
         num_running={Tier.PREMIUM: 0, Tier.STANDARD: 0}, num_waiting={Tier.PREMIUM: 0, Tier.STANDARD: 0},
         num_preemptions={Tier.PREMIUM: 0, Tier.STANDARD: 0}, kv_num_blocks=256, kv_used_blocks=0,
         kv_free_blocks=256, kv_premium_reserved_blocks=64, kv_used_by_tier={Tier.PREMIUM: 0, Tier.STANDARD: 0},
-        prefix_cache_queries=0, prefix_cache_hits=0)
+        block_size=16)
 
     @property
     def adapter_registry(self) -> AdapterRegistry:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import httpx
 
 from gateway.app import Gateway
-from gateway.server import DrainingServer, make_server
+from gateway.config import GatewayConfig
+from gateway.engine_client import InProcessEngineClient
+from gateway.server import DrainingServer, build_gateway, make_server
 
 # The test gateways' admin token: GatewayConfig refuses one under 32 characters.
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
@@ -29,6 +31,12 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def build_in_process_gateway(config: GatewayConfig) -> Gateway:
+    """`build_gateway` with the engine in this process, on a thread: the
+    gateway tests that are not about workers skip a worker process's start."""
+    return build_gateway(config, engine=InProcessEngineClient(config.engine))
 
 
 def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0) -> LiveServer:

@@ -11,9 +11,8 @@ import pytest
 
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
-from gateway.server import build_gateway
 from gateway.tenancy import Tier
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,7 @@ def live(tiny_llama_dir, tmp_path_factory):
     # first token (the standard queue's limit), the rest must be refused.
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512,
                           premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
                                      standard=TierLimits(max_waiting=3), premium=TierLimits(max_waiting=8)))
     server = start_live_server(gw)
     server.keys = keys

@@ -22,11 +22,10 @@ import pytest
 from engine.config import EngineConfig
 from gateway.auth_cache import AuthCache
 from gateway.config import GatewayConfig
-from gateway.server import build_gateway
 from gateway.tenancy import Tier
 from tests.billing.live_helpers import ledger_records, request_id_of
 from tests.gateway.fakes import ManualClock
-from tests.gateway.live import run_with_store, seed_tenants, start_live_server, wait_for
+from tests.gateway.live import build_in_process_gateway, run_with_store, seed_tenants, start_live_server, wait_for
 from tests.gateway.tcp_proxy import TcpProxy
 
 ADMIN_TOKEN = "outage-test-admin-token-0123456789abcdef"
@@ -101,7 +100,7 @@ def test_db_outage_cached_tenants_keep_working_new_keys_get_503_never_500(db_url
     keys = seed_tenants(db_url, {"warm": Tier.STANDARD, "cold": Tier.STANDARD}, grants=[(ADAPTER, "warm", False)])
     with outage_for(db_url) as outage:
         engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=4, data_dir=str(tmp_path / "data"))
-        gw = build_gateway(GatewayConfig(db_url=outage.gateway_url, engine=engine, data_dir=tmp_path / "data",
+        gw = build_in_process_gateway(GatewayConfig(db_url=outage.gateway_url, engine=engine, data_dir=tmp_path / "data",
                                          admin_token=ADMIN_TOKEN))
         clock = ManualClock()
         gw.auth = AuthCache(gw.store, ttl_s=TTL_S, stale_s=STALE_S, max_entries=100, clock=clock)

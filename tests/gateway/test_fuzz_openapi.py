@@ -24,9 +24,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from gateway.routes.openapi import OPERATIONS
-from gateway.server import build_gateway
 from gateway.tenancy import Tier
-from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, ADMIN_TOKEN, seed_tenants, start_live_server
 
 # Examples per operation and generation mode (valid and invalid input): about
 # 20 to 40 seconds per store on the tiny model. LORAGW_FUZZ_EXAMPLES digs deeper.
@@ -40,7 +39,7 @@ def fuzz_target(db_url, tiny_llama_dir, tmp_path):
     # "the rest of the context") to a few milliseconds each.
     engine = EngineConfig(model=str(tiny_llama_dir), max_model_len=128, max_num_seqs=8, num_kv_blocks=256,
                           data_dir=str(tmp_path / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
                                      data_dir=tmp_path / "data"))
     server = start_live_server(gw)
     server.tenant_key = keys["acme"]

@@ -20,9 +20,8 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.token_floor import max_chars_per_token
 from gateway.config import GatewayConfig
-from gateway.server import build_gateway
 from gateway.tenancy import Tier
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server
 
 MiB = 1024 * 1024
 
@@ -33,7 +32,7 @@ def live(tiny_llama_dir, tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, {"flood": Tier.STANDARD, "calm": Tier.STANDARD})
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=8, num_kv_blocks=256, data_dir=str(tmp / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
     server = start_live_server(gw)
     server.keys = keys
     server.port = int(server.url.rsplit(":", 1)[1])

@@ -17,13 +17,13 @@ from starlette.testclient import TestClient
 from engine.config import EngineConfig
 from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig, TierLimits
-from gateway.engine_client import EngineStats
+import dataclasses
+
 from gateway.metrics import GatewayMetrics
 from gateway.routes.observability import metrics_app
-from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
 from tests.gateway.fakes import FakeEngineClient
-from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, ADMIN_TOKEN, seed_tenants, start_live_server
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -65,24 +65,24 @@ def test_engine_collector_gives_one_series_per_resident_adapter_and_observes_eac
     engine = FakeEngineClient(registry=None)
     base = engine.engine_stats
     metrics = fake_metrics(engine)
-    engine.engine_stats = EngineStats(**{**base.__dict__, "resident_adapters": (("pirate", 1), ("terse-json", 3)),
-                                         "adapter_loads": 2, "adapter_evictions": 0,
-                                         "recent_adapter_load_seconds": (0.002, 0.3)})
+    pirate, terse = ("pirate", 1, "d1"), ("terse-json", 3, "d3")
+    engine.engine_stats = dataclasses.replace(base, resident_adapters=(pirate, terse), adapter_loads=2,
+                                              adapter_evictions=0, recent_adapter_load_seconds=(0.002, 0.3))
     first = scrape(metrics.render().decode())
-    engine.engine_stats = EngineStats(**{**engine.engine_stats.__dict__, "resident_adapters": (("terse-json", 3),),
-                                         "adapter_loads": 3, "adapter_evictions": 1,
-                                         "recent_adapter_load_seconds": (0.002, 0.3, 0.004)})
+    engine.engine_stats = dataclasses.replace(engine.engine_stats, resident_adapters=(terse,), adapter_loads=3,
+                                              adapter_evictions=1, recent_adapter_load_seconds=(0.002, 0.3, 0.004))
     second = scrape(metrics.render().decode())
-    assert value(first, "loragw:lora_adapter_resident", adapter="pirate", version="1") == 1
-    assert value(first, "loragw:lora_adapter_resident", adapter="terse-json", version="3") == 1
-    assert ("loragw:lora_adapter_resident", (("adapter", "pirate"), ("version", "1"))) not in second
-    assert value(second, "loragw:lora_adapter_loads_total") == 3
-    assert value(second, "loragw:lora_adapter_evictions_total") == 1
-    assert value(first, "loragw:lora_adapter_load_seconds_count") == 2
-    assert value(second, "loragw:lora_adapter_load_seconds_count") == 3  # not 5: each load counted once
-    assert value(second, "loragw:lora_adapter_load_seconds_bucket", le="0.005") == 2
+    w = {"worker": "0"}
+    assert value(first, "loragw:lora_adapter_resident", adapter="pirate", version="1", **w) == 1
+    assert value(first, "loragw:lora_adapter_resident", adapter="terse-json", version="3", **w) == 1
+    assert ("loragw:lora_adapter_resident", (("adapter", "pirate"), ("version", "1"), ("worker", "0"))) not in second
+    assert value(second, "loragw:lora_adapter_loads_total", **w) == 3
+    assert value(second, "loragw:lora_adapter_evictions_total", **w) == 1
+    assert value(first, "loragw:lora_adapter_load_seconds_count", **w) == 2
+    assert value(second, "loragw:lora_adapter_load_seconds_count", **w) == 3  # not 5: each load counted once
+    assert value(second, "loragw:lora_adapter_load_seconds_bucket", le="0.005", **w) == 2
     assert value(second, "loragw:rejected_requests_total", tier="standard", reason="max_waiting") == 3
-    assert value(second, "loragw:kv_cache_blocks", tier="standard", state="free") == 256 - 64
+    assert value(second, "loragw:kv_cache_blocks", tier="standard", state="free", **w) == 256 - 64
 
 
 # ---- who may read them ----------------------------------------------------------------
@@ -160,7 +160,7 @@ def live(tiny_llama_dir, tmp_path_factory):
     # its seat, which preempts the standard one (the premium seat rule).
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=1, num_kv_blocks=256,
                           premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
                                      metrics_port=0, standard=TierLimits(max_waiting=8),
                                      premium=TierLimits(max_waiting=8)))
     server = start_live_server(gw)
@@ -218,13 +218,14 @@ def test_metrics_after_a_small_workload(live):
     assert value(samples, "loragw:rejected_requests_total", tier="standard", reason="requests_per_minute") == 2
     assert value(samples, "loragw:rejected_requests_total", tier="premium", reason="requests_per_minute") == 0
     # Each premium arrival took the running standard request's only seat.
-    assert value(samples, "loragw:num_preemptions_total", tier="standard") >= 1
-    assert value(samples, "loragw:num_preemptions_total", tier="premium") == 0
-    assert value(samples, "loragw:num_preemptions_total", tier="standard") == \
+    w = {"worker": "0"}  # the in-process engine is the one worker
+    assert value(samples, "loragw:num_preemptions_total", tier="standard", **w) >= 1
+    assert value(samples, "loragw:num_preemptions_total", tier="premium", **w) == 0
+    assert value(samples, "loragw:num_preemptions_total", tier="standard", **w) == \
         gw.engine.stats().num_preemptions[Tier.STANDARD]
-    assert value(samples, "loragw:num_requests_running", tier="standard") == 0
-    assert value(samples, "loragw:kv_cache_blocks", tier="premium", state="reserved") == \
+    assert value(samples, "loragw:num_requests_running", tier="standard", **w) == 0
+    assert value(samples, "loragw:kv_cache_blocks", tier="premium", state="reserved", **w) == \
         gw.engine.stats().kv_premium_reserved_blocks > 0
-    assert value(samples, "loragw:prefix_cache_queries_total") > 0
+    assert value(samples, "loragw:prefix_cache_queries_total", **w) > 0
     assert samples[gpu_s] == pytest.approx(billed + 0.25)
     assert "request_id" not in response.text

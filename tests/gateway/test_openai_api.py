@@ -20,9 +20,8 @@ import pytest
 import migrations
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
-from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
-from tests.gateway.live import ADMIN_TOKEN, run_with_store, start_live_server
+from tests.gateway.live import build_in_process_gateway, ADMIN_TOKEN, run_with_store, start_live_server
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -54,7 +53,7 @@ def live(tiny_llama_dir, tiny_adapter_dir, tmp_path_factory):
     keys = run_with_store(db_url, seed)
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=16, num_kv_blocks=512,
                           data_dir=str(tmp / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
                                      data_dir=tmp / "data"))
     server = start_live_server(gw)
     gw.registry.import_dir("tiny-lora", tiny_adapter_dir)

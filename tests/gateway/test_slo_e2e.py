@@ -11,10 +11,9 @@ import pytest
 
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
-from gateway.server import build_gateway
 from gateway.slo import ALERT_NAME, SloConfig
 from gateway.tenancy import Tier
-from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, ADMIN_TOKEN, seed_tenants, start_live_server
 from tests.gateway.test_slo import Receiver
 
 
@@ -36,7 +35,7 @@ def serve(tiny_llama_dir, tmp, receiver_url: str, *, tiers: bool):
     # requests in both windows take over 250 ms.
     slo = SloConfig(ttft_slo_s=0.3, ttft_alert_s=0.25, fast_window_s=30, slow_window_s=60, burn_rate=50,
                     min_samples=2, min_hold_s=0, eval_interval_s=0.2, webhook_urls=(receiver_url,))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
                                      enable_tiers=tiers, standard=TierLimits(max_waiting=16), slo=slo))
     server = start_live_server(gw)
     server.keys, server.model = keys, gw.served_model_name

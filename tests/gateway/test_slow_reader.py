@@ -28,10 +28,9 @@ import pytest
 
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
-from gateway.server import build_gateway
 from gateway.tenancy import Tier
 from tests.gateway.hangups import CountingObserver
-from tests.gateway.live import seed_tenants, start_live_server, wait_for
+from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server, wait_for
 
 N, TOP_LOGPROBS, MAX_TOKENS = 16, 20, 2000
 MEASURE_AT = 800  # tokens per choice: enough for a quadratic to show, quick on a busy CPU
@@ -54,7 +53,7 @@ def live(request, tiny_llama_dir, tmp_path):
     blocks = N * (MAX_TOKENS + 64) // 16 + 64
     engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=N, num_kv_blocks=blocks, num_threads=1,
                           data_dir=str(tmp_path / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp_path / "data",
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp_path / "data",
                                      **getattr(request, "param", {})))
     server = start_live_server(gw)
     server.key = keys["acme"]

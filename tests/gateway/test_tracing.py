@@ -15,10 +15,9 @@ from opentelemetry.trace import SpanKind
 
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
-from gateway.server import build_gateway
 from gateway.tenancy import TenantLimits, Tier
 from gateway.tracing import Tracing, TracingObserver
-from tests.gateway.live import seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -30,7 +29,7 @@ def live(tiny_llama_dir, tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "capped": (Tier.STANDARD, TenantLimits(requests_per_minute=1))})
     engine = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, data_dir=str(tmp / "data"))
-    gw = build_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
+    gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

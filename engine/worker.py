@@ -1,0 +1,309 @@
+"""`loragw worker`: one engine in its own process, served over engine/wire.py.
+
+Three threads, each owning what it touches:
+- the I/O thread (the main one) owns the ROUTER socket: it answers Hello,
+  hands AddRequest/Abort to the engine thread, forwards the engine thread's
+  messages to the gateway, and sends a Status heartbeat every `heartbeat_s`
+  whatever the engine is doing, so a long step never looks like a dead worker;
+- the engine thread loads the model, then steps it, publishing one
+  StepOutputs (outputs, usage, snapshot) per step through an inproc socket;
+- torch's own threads, inside the step.
+
+One gateway session at a time: a valid Hello from a new peer takes over, and
+the old session's requests are aborted (a gateway that restarted must not be
+billed twice, and nobody else may read its outputs). If a step raises, the
+worker sends Fatal and exits non-zero: its supervisor restarts it with a
+fresh engine, as vLLM's engine core process does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.errors import EngineError, ValidationError
+from engine.snapshot import StepCounter, take_snapshot
+from engine.wire import (PROTOCOL_VERSION, Abort, AddRequest, Codec, Fatal, Hello, ProtocolError, Refused,
+                         Rejection, Status, StepOutputs, WorkerInfo, is_local_endpoint, version_mismatch)
+
+log = logging.getLogger(__name__)
+
+EXIT_ENGINE_FAILED = 3
+_OUTBOX = "inproc://loragw-worker-outbox"
+_ABORT_ALL = object()  # a command: a new gateway session took over
+
+
+class WorkerConfigError(EngineError):
+    """A worker setting that cannot work (listening beyond loopback without a secret)."""
+
+
+def check_listen(listen: str, secret: str | None) -> None:
+    if not is_local_endpoint(listen) and not secret:
+        raise WorkerConfigError(f"--listen {listen} is reachable beyond this machine: give the worker a shared "
+                                "secret (--secret-file or LORAGW_WORKER_SECRET) that the gateway presents")
+
+
+class _EngineLoop:
+    """The engine thread: applies commands between steps, publishes a
+    StepOutputs after each step that changed anything."""
+
+    def __init__(self, config: EngineConfig, context: zmq.Context):
+        self.config = config
+        self.context = context
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.info: WorkerInfo | None = None
+        self.load_error: str | None = None
+        self.snapshot = None  # the latest EngineSnapshot; read by the I/O thread (one reference, swapped whole)
+        self.failed = threading.Event()
+        self.stopped = threading.Event()
+        self._counter = StepCounter()
+        self._live: set[str] = set()
+
+    def run(self) -> None:
+        codec = Codec()
+        outbox = self.context.socket(zmq.PUSH)
+        outbox.connect(_OUTBOX)
+        try:
+            engine = self._load()
+            if engine is not None:
+                self._serve(engine, outbox, codec)
+        finally:
+            outbox.close(linger=1000)
+            self.stopped.set()
+
+    def _load(self):
+        from engine.builder import build_llm_engine
+
+        try:
+            engine = build_llm_engine(self.config)
+        except Exception as exc:  # noqa: BLE001 - reported to every gateway that says Hello
+            log.exception("model failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return None
+        self.snapshot = take_snapshot(engine, self._counter)
+        self.info = WorkerInfo(model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
+                               vocab_size=len(engine.tokenizer), device=str(engine.core.runner.device),
+                               pid=os.getpid())
+        log.info("worker ready: %s on %s", engine.model_dir, self.info.device)
+        return engine
+
+    def _serve(self, engine, outbox, codec: Codec) -> None:
+        usage = []
+        engine.usage_sinks.append(usage.append)
+        while True:
+            outputs, rejected = [], []
+            if not self._apply_commands(engine, outputs, rejected, block=not engine.has_unfinished()):
+                engine.fail_all("the worker is shutting down")
+                return
+            if engine.has_unfinished():
+                try:
+                    outputs += engine.step()
+                except Exception as exc:  # noqa: BLE001 - the gateway must hear of it, then we exit
+                    log.exception("engine step failed")
+                    failed = engine.fail_all(f"engine step failed: {exc!r}")
+                    outbox.send(codec.encode(StepOutputs(failed, None, None)))
+                    outbox.send(codec.encode(Fatal(f"{type(exc).__name__}: {exc}")))
+                    self.failed.set()
+                    return
+            step_usage = usage.pop() if usage else None
+            if step_usage is not None:
+                self._counter.count(step_usage.busy_time_us)
+            if outputs or rejected or step_usage is not None:
+                for out in outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
+                self.snapshot = take_snapshot(engine, self._counter)
+                outbox.send(codec.encode(StepOutputs(outputs, step_usage, self.snapshot, rejected)))
+
+    def _apply_commands(self, engine, outputs: list, rejected: list, *, block: bool) -> bool:
+        """Apply queued commands; False once shutdown was asked for."""
+        try:
+            cmd = self.commands.get(timeout=0.05) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is None:
+                return False
+            if isinstance(cmd, AddRequest):
+                self._add(engine, cmd, rejected)
+            elif isinstance(cmd, Abort):
+                for request_id in cmd.request_ids:
+                    if request_id in self._live:
+                        self._live.discard(request_id)
+                        out = engine.abort(request_id)
+                        if out is not None:
+                            outputs.append(out)
+            elif cmd is _ABORT_ALL:
+                for request_id in list(self._live):
+                    out = engine.abort(request_id)
+                    if out is not None:
+                        outputs.append(out)
+                self._live.clear()
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, engine, cmd: AddRequest, rejected: list) -> None:
+        if cmd.request_id in self._live:
+            rejected.append(Rejection(cmd.request_id, "request_id", f"duplicate request id {cmd.request_id!r}"))
+            return
+        try:
+            engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, tier=cmd.tier,
+                               adapter_key=cmd.adapter_key, cache_salt=cmd.cache_salt)
+        except ValidationError as exc:
+            rejected.append(Rejection(cmd.request_id, exc.param, exc.message))
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad request must not take the worker down
+            log.exception("add_request failed")
+            rejected.append(Rejection(cmd.request_id, None, f"{type(exc).__name__}: {exc}"))
+            return
+        self._live.add(cmd.request_id)
+
+
+class Worker:
+    """The I/O side: the ROUTER socket, sessions and heartbeats."""
+
+    def __init__(self, config: EngineConfig, *, listen: str, secret: str | None, heartbeat_s: float = 0.5):
+        check_listen(listen, secret)
+        self.secret = secret
+        self.heartbeat_s = heartbeat_s
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(listen)
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.outbox = self.context.socket(zmq.PULL)
+        self.outbox.bind(_OUTBOX)
+        self.engine = _EngineLoop(config, self.context)
+        self.session: bytes | None = None
+        self.codec = Codec()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        thread = threading.Thread(target=self.engine.run, name="loragw-engine", daemon=True)
+        thread.start()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.outbox, zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set() and not self.engine.stopped.is_set():
+                events = dict(poller.poll(timeout=int(self.heartbeat_s * 1000)))
+                if self.outbox in events:
+                    self._forward_outbox()
+                if self.router in events:
+                    self._receive()
+                now = time.monotonic()
+                if now >= next_beat and self.session is not None:
+                    self._send(self.session, self._status())
+                    next_beat = now + self.heartbeat_s
+            self._forward_outbox()  # the Fatal, if the engine failed
+        finally:
+            self.engine.commands.put(None)
+            thread.join(timeout=10)
+            self._forward_outbox()
+            self.router.close(linger=500)
+            self.outbox.close(linger=0)
+            self.context.term()
+        return EXIT_ENGINE_FAILED if self.engine.failed.is_set() else 0
+
+    def _status(self) -> Status:
+        e = self.engine
+        return Status(PROTOCOL_VERSION, worker=e.info, load_error=e.load_error, snapshot=e.snapshot)
+
+    def _send(self, peer: bytes, message) -> None:
+        self.router.send_multipart([peer, self.codec.encode(message)])
+
+    def _forward_outbox(self) -> None:
+        while True:
+            try:
+                frame = self.outbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self.session is not None:
+                self.router.send_multipart([self.session, frame])
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                peer, frame = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not [identity, frame]: a stray client
+                continue
+            try:
+                message = self.codec.decode_to_worker(frame)
+            except ProtocolError as exc:
+                self._send(peer, Refused(str(exc)))
+                continue
+            if isinstance(message, Hello):
+                self._hello(peer, message)
+            elif peer == self.session:
+                self.engine.commands.put(message)
+            # else: a peer that never opened a session; its commands are ignored
+
+    def _hello(self, peer: bytes, hello: Hello) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self._send(peer, Refused(version_mismatch(hello.protocol_version)))
+            return
+        if self.secret and not hmac.compare_digest((hello.secret or "").encode(), self.secret.encode()):
+            log.warning("refused a gateway session: wrong or missing secret")
+            self._send(peer, Refused("wrong or missing worker secret"))
+            return
+        if self.session is not None and self.session != peer:
+            log.info("gateway session %s takes over; aborting the previous session's requests", hello.session)
+            self.engine.commands.put(_ABORT_ALL)
+        self.session = peer
+        self._send(peer, self._status())
+
+
+def run_worker(config: EngineConfig, *, listen: str, secret: str | None = None, metrics_port: int | None = None,
+               metrics_host: str = "127.0.0.1", heartbeat_s: float = 0.5) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0) or an engine failure (exit 3)."""
+    worker = Worker(config, listen=listen, secret=secret, heartbeat_s=heartbeat_s)
+    if metrics_port is not None:
+        from engine.worker_metrics import serve_worker_metrics
+
+        serve_worker_metrics(lambda: worker.engine.snapshot, port=metrics_port, host=metrics_host)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    # The first line on stdout names the bound endpoint (tcp port 0 resolves
+    # here), so a supervisor or a script can connect to it.
+    print(f"loragw worker listening on {worker.endpoint}", flush=True)
+    return worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The entry a supervising gateway spawns: the engine config comes as
+    JSON (the gateway already parsed and validated it), the secret from
+    $LORAGW_WORKER_SECRET."""
+    import argparse
+
+    import msgspec
+
+    parser = argparse.ArgumentParser(prog="python -m engine.worker")
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    return run_worker(config, listen=args.listen, secret=os.environ.get("LORAGW_WORKER_SECRET") or None,
+                      metrics_port=args.metrics_port)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

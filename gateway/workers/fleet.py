@@ -1,0 +1,259 @@
+"""The gateway's engine: a fleet of worker processes behind one EngineClient.
+
+The gateway tokenizes and templates (it holds the tokenizer, not the
+weights) and keeps the adapter registry; each request goes to the worker the
+router ranks first (gateway/router/). If that worker is lost before the
+request delivered any output, the request is sent once more, to the next
+worker in the ranking; one that already streamed ends with `WorkerLost`,
+which the stream turns into an error event. Admission and /metrics read the
+workers' latest snapshots: the fleet's capacity is the sum of the workers
+that are up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import zmq.asyncio
+
+from engine.outputs import RequestOutput
+from engine.prompts import PromptEncoder
+from engine.snapshot import EngineSnapshot
+from gateway.engine_client import EngineClient, EngineNotReady, EngineRequest, FleetHealth, Health
+from gateway.router import NoWorkerAvailable, RouteRequest, RoutingPolicy, WorkerView
+from gateway.workers.connection import WorkerConnection, WorkerLost, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFleet(EngineClient):
+    """`endpoints` maps worker ids to ZeroMQ endpoints. `supervisor`, when
+    given, runs local worker processes at some of them (started before the
+    connections, stopped after) and reports their exits through
+    `worker_exited`."""
+
+    def __init__(self, engine_config, endpoints: dict[str, str], *, router: RoutingPolicy,
+                 secret: str | None = None, heartbeat_timeout_s: float = 10.0, supervisor=None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine_config = engine_config
+        self.router = router
+        self.supervisor = supervisor
+        self.clock = clock
+        self._context = zmq.asyncio.Context()
+        session = uuid.uuid4().hex[:12]
+        self.workers = {
+            worker_id: WorkerConnection(worker_id, endpoint, context=self._context, session=session,
+                                        on_usage=self._on_usage, secret=secret,
+                                        heartbeat_timeout_s=heartbeat_timeout_s, clock=clock)
+            for worker_id, endpoint in endpoints.items()}
+        self._sinks: list = []
+        self._placed: dict[str, WorkerConnection] = {}  # request id -> the worker serving it now
+        self._prompts: PromptEncoder | None = None
+        self._registry = None
+        self._model_dir: Path | None = None
+        self._setup_error: str | None = None
+        self.retried = 0  # requests sent to a second worker after the first was lost
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.on_exit = self.worker_exited
+            await self.supervisor.start()
+        for conn in self.workers.values():
+            await conn.start()
+        asyncio.get_running_loop().run_in_executor(None, self._load_frontend)
+
+    def _load_frontend(self) -> None:
+        """The tokenizer and the adapter registry: the model's files, never its weights."""
+        from engine.model.loader import load_hf_config, resolve_model_dir
+
+        try:
+            model_dir = resolve_model_dir(self.engine_config.model)
+            prompts = PromptEncoder.from_model_dir(model_dir)
+            self._registry = _adapter_registry(self.engine_config, load_hf_config(model_dir))
+            self._model_dir, self._prompts = model_dir, prompts
+        except Exception as exc:  # noqa: BLE001 - reported through /ready and load_error
+            log.exception("cannot load the tokenizer")
+            self._setup_error = f"{type(exc).__name__}: {exc}"
+
+    async def shutdown(self) -> None:
+        for conn in self.workers.values():
+            await conn.stop()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        self._context.term()
+
+    def worker_exited(self, worker_id: str, returncode: int) -> None:
+        conn = self.workers.get(worker_id)
+        if conn is not None:
+            conn.mark_lost(f"the worker process exited with code {returncode}")
+        self.router.forget_worker(worker_id)
+
+    # ---- state ------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._prompts is not None and any(c.ready for c in self.workers.values())
+
+    @property
+    def load_error(self) -> str | None:
+        if self._setup_error is not None:
+            return self._setup_error
+        states = [c.state for c in self.workers.values()]
+        if states and all(s in (WorkerState.FAILED, WorkerState.REFUSED) for s in states):
+            return "; ".join(f"worker {c.worker_id}: {c.problem}" for c in self.workers.values())
+        return None
+
+    def health(self) -> FleetHealth:
+        workers = {worker_id: conn.describe() for worker_id, conn in self.workers.items()}
+        up = sum(c.ready for c in self.workers.values())
+        starting = all(c.state in (WorkerState.CONNECTING, WorkerState.LOADING) and c.sessions == 0
+                       for c in self.workers.values())
+        if up == len(self.workers) or (up == 0 and starting):
+            status = Health.OK
+        elif up > 0:
+            status = Health.DEGRADED
+        else:
+            status = Health.UNAVAILABLE
+        return FleetHealth(status, workers)
+
+    def snapshots(self) -> dict[str, EngineSnapshot]:
+        return {worker_id: c.snapshot for worker_id, c in self.workers.items() if c.ready and c.snapshot}
+
+    @property
+    def prompts(self) -> PromptEncoder:
+        if self._prompts is None:
+            raise EngineNotReady(self._setup_error or "the tokenizer is still loading")
+        return self._prompts
+
+    @property
+    def model_dir(self) -> Path:
+        if self._model_dir is None:
+            raise EngineNotReady(self._setup_error or "the tokenizer is still loading")
+        return self._model_dir
+
+    @property
+    def max_model_len(self) -> int:
+        for conn in self.workers.values():
+            if conn.ready and conn.info is not None:
+                return conn.info.max_model_len
+        raise EngineNotReady(self.load_error or "no engine worker is up")
+
+    @property
+    def adapter_registry(self):
+        self.prompts  # noqa: B018 - raises EngineNotReady until the registry is built too
+        return self._registry
+
+    def add_usage_sink(self, sink) -> None:
+        self._sinks.append(sink)
+
+    def _on_usage(self, usage) -> None:
+        for sink in self._sinks:
+            sink(usage)
+
+    # ---- requests -----------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output deltas from the worker the router picks."""
+        route = RouteRequest(request.tenant_id, request.cache_salt, request.tier, request.adapter_key,
+                             request.prompt_ids)
+        failed: set[str] = set()
+        finished = False
+        while True:
+            conn = self._place(route, failed)
+            try:
+                mailbox = conn.submit(request)
+            except WorkerLost:  # lost between its last heartbeat and now
+                if failed:
+                    raise
+                failed.add(conn.worker_id)
+                continue
+            self._placed[request.request_id] = conn
+            delivered = False
+            try:
+                while True:
+                    item = await mailbox.get()
+                    if isinstance(item, WorkerLost) and not delivered and not failed:
+                        log.warning("request %s: %s; sending it to another worker", request.request_id, item)
+                        failed.add(conn.worker_id)
+                        self.retried += 1
+                        break
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    delivered, finished = True, item.finished
+                    yield item
+                    if finished:
+                        return
+            finally:
+                if self._placed.get(request.request_id) is conn:
+                    del self._placed[request.request_id]
+                if not finished and not failed & {conn.worker_id}:
+                    conn.abort(request.request_id)
+
+    def _place(self, route: RouteRequest, failed: set[str]) -> WorkerConnection:
+        views = [WorkerView(worker_id, c.ready, c.snapshot, len(c.in_flight)) for worker_id, c in self.workers.items()]
+        try:
+            ranking = self.router.rank(route, views, exclude=failed)
+        except NoWorkerAvailable as exc:
+            raise EngineNotReady(f"no engine worker is up: {exc}") from exc
+        conn = self.workers[ranking.best]
+        self.router.record(route, next(v for v in views if v.worker_id == ranking.best))
+        return conn
+
+    def abort(self, request_id: str) -> None:
+        conn = self._placed.get(request_id)
+        if conn is not None:
+            conn.abort(request_id)
+
+
+def _adapter_registry(engine_config, hf_config):
+    if engine_config.max_loras == 0:
+        return None
+    from adapters.registry import AdapterRegistry
+
+    data_dir = engine_config.data_dir
+    return AdapterRegistry(Path(data_dir) / "adapters" if data_dir else None, base_config=hf_config,
+                           max_lora_rank=engine_config.max_lora_rank)
+
+
+def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] = time.monotonic) -> WorkerFleet:
+    """The fleet `loragw serve` runs: `config.workers.workers` local worker
+    processes (supervised), plus every `--worker` endpoint, routed by
+    `config.workers.routing`."""
+    from gateway.router import RoutingConfig, make_router
+    from gateway.workers.supervisor import LocalWorkers
+
+    pool = config.workers
+    endpoints: dict[str, str] = {}
+    supervisor = None
+    if pool.workers > 0:
+        devices = pool.devices()
+        supervisor = LocalWorkers(local_engine_config(config.engine, pool.workers), pool.workers, devices=devices,
+                                  backoff_s=pool.restart_backoff_s, backoff_max_s=pool.restart_backoff_max_s,
+                                  secret=pool.secret, log_level=log_level)
+        endpoints.update(supervisor.endpoints)
+    for i, endpoint in enumerate(pool.worker_endpoints):
+        endpoints[f"remote-{i}"] = endpoint
+    router = make_router(RoutingConfig(policy=pool.routing), clock)
+    return WorkerFleet(config.engine, endpoints, router=router, secret=pool.secret,
+                       heartbeat_timeout_s=pool.heartbeat_timeout_s, supervisor=supervisor, clock=clock)
+
+
+def local_engine_config(engine_config, count: int):
+    """Split the CPU's cores among local workers: each gets its share of
+    the cores but one, which the gateway's event loop keeps (see
+    gateway.cli.engine_threads_beside_the_server)."""
+    import dataclasses
+    import os
+
+    if engine_config.num_threads is not None:
+        return engine_config
+    share = max(1, ((os.cpu_count() or 1) - 1) // count)
+    return dataclasses.replace(engine_config, num_threads=share)

@@ -1,0 +1,134 @@
+"""Local engine workers: `loragw serve --workers N` starts them, restarts the
+ones that exit, and stops them with the gateway.
+
+Each worker is `python -m engine.worker` listening on a Unix socket in a
+private directory (0700), so no other user can reach it and no port is
+taken. A worker that exits is reported to the fleet at once (its requests
+end or move without waiting for the heartbeat to lapse) and started again
+after a backoff that doubles up to `backoff_max_s`, reset once a worker has
+stayed up for `_STABLE_S`. Workers die with the gateway: Linux sends them
+SIGTERM when it exits, whatever killed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+_STABLE_S = 60.0
+_STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class LocalWorker:
+    worker_id: str
+    endpoint: str
+    device: str | None  # "cuda:1", "cpu", or None for the engine's default
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: workers then outlive a gateway killed with SIGKILL
+
+
+class LocalWorkers:
+    def __init__(self, engine_config, count: int, *, devices: list[str] | None = None, backoff_s: float = 1.0,
+                 backoff_max_s: float = 30.0, secret: str | None = None, log_level: str = "info",
+                 clock: Callable[[], float] = time.monotonic):
+        if devices is not None and len(devices) != count:
+            raise ValueError(f"{len(devices)} worker devices for {count} workers")
+        self.engine_config = engine_config
+        self._dir = Path(tempfile.mkdtemp(prefix="loragw-workers-"))
+        os.chmod(self._dir, 0o700)
+        self.workers = [LocalWorker(str(i), f"ipc://{self._dir}/worker-{i}.sock", devices[i] if devices else None)
+                        for i in range(count)]
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.secret = secret
+        self.log_level = log_level
+        self.clock = clock
+        self.on_exit: Callable[[str, int], None] = lambda worker_id, code: None
+        self.restarts: dict[str, int] = {w.worker_id: 0 for w in self.workers}
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return {w.worker_id: w.endpoint for w in self.workers}
+
+    def pid(self, worker_id: str) -> int | None:
+        proc = self._procs.get(worker_id)
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    async def start(self) -> None:
+        for worker in self.workers:
+            self._tasks.append(asyncio.create_task(self._supervise(worker), name=f"supervise-{worker.worker_id}"))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for proc in self._procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self._procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), _STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _supervise(self, worker: LocalWorker) -> None:
+        delay = self.backoff_s
+        while not self._stopping:
+            started = self.clock()
+            proc = await self._spawn(worker)
+            self._procs[worker.worker_id] = proc
+            code = await proc.wait()
+            if self._stopping:
+                return
+            log.error("worker %s exited with code %s; restarting in %.1fs", worker.worker_id, code, delay)
+            self.on_exit(worker.worker_id, code)
+            self.restarts[worker.worker_id] += 1
+            if self.clock() - started >= _STABLE_S:
+                delay = self.backoff_s
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _spawn(self, worker: LocalWorker) -> asyncio.subprocess.Process:
+        config, env = self.engine_config, dict(os.environ)
+        if worker.device is not None:
+            config, env = _pin_device(config, env, worker.device)
+        if self.secret:
+            env["LORAGW_WORKER_SECRET"] = self.secret
+        argv = [sys.executable, "-m", "engine.worker", "--listen", worker.endpoint,
+                "--config-json", msgspec.json.encode(config).decode(), "--log-level", self.log_level]
+        return await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.DEVNULL,
+                                                    preexec_fn=_die_with_parent)
+
+
+def _pin_device(config, env: dict, device: str):
+    """One GPU per worker: the process sees only its own, as `cuda:0`."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        env["CUDA_VISIBLE_DEVICES"] = index or "0"
+        return replace(config, device="cuda"), env
+    return replace(config, device=device), env
