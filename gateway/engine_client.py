@@ -3,8 +3,8 @@
 `EngineClient` is the seam the architecture names: the gateway prepares an
 `EngineRequest` (tokens, sampling, tier, adapter, cache salt) and reads back
 `RequestOutput`s. `InProcessEngineClient` runs the engine in this process,
-its step loop on a thread; remote engine workers will implement the same
-interface. The gateway never reaches past it into the scheduler.
+its step loop on a thread. The gateway never reaches past it into the
+scheduler.
 """
 
 from __future__ import annotations
