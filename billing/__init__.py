@@ -1,1 +1,1 @@
-"""loragw billing package (built by a later issue)."""
+"""loragw billing package: meter, spool, ledger and exports (docs/billing.md)."""

@@ -1,1 +1,1 @@
-"""loragw gateway package (built by a later issue)."""
+"""loragw gateway package: the HTTP front of the engine (docs/gateway.md)."""

@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 @pytest.fixture
 def no_compiler(monkeypatch):
     """A machine where C++ kernels cannot be built (no compiler, no ninja):
-    torch's load_inline raises, as it does there."""
+    torch's cpp_extension.load raises, as it does there."""
     import torch.utils.cpp_extension
 
     def fail(**kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", fail)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fail)
 
 
 @pytest.fixture(scope="session")

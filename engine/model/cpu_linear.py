@@ -8,12 +8,12 @@ matrix on every call, and wakes its threads for each), where a plain read
 runs at 25 to 50 GB/s. Decode steps of few sequences spent 87% of their time
 in those matmuls.
 
-This kernel reads each weight row once per call and computes every token
-row's dot product with it from L1, in register tiles (4 token rows x 4
-weight rows, or 1 x 16 for a single row), float32 accumulation for float32
-and bfloat16 alike, threads splitting the weight rows. torch's F.linear is
-the twin that the tests hold it to. It is switched off by
-LORAGW_CPU_LINEAR_KERNEL=0 and built like the other kernels
+This kernel (engine/csrc/cpu_linear.cpp) reads each weight row once per
+call and computes every token row's dot product with it from L1, in
+register tiles (4 token rows x 4 weight rows, or 1 x 16 for a single row),
+float32 accumulation for float32 and bfloat16 alike, threads splitting the
+weight rows. torch's F.linear is the twin that the tests hold it to. It is
+switched off by LORAGW_CPU_LINEAR_KERNEL=0 and built like the other kernels
 (engine/native.py).
 
 Where the GEMM wins again depends on the host. The first limit, 32 rows,
@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,65 +55,10 @@ MIN_ROW_LIMIT = 32
 CALIBRATION_ROWS = (64, 128, 256, 512, 1024)
 CALIBRATION_SHAPE = (1536, 576)
 CALIBRATION_REPEATS = 5
-
-_SOURCE = native.VECTOR_HELPERS + r"""
-namespace {
-
-constexpr int64_t kRowTile = 16;    // weight rows per tile: 37 KB of float32 at K = 576, in L1/L2
-constexpr int64_t kMinRows = 128;   // weight rows per thread: less is not worth a thread's wake-up
-
-template <typename T>
-void linear_impl(const T* x, int64_t x_stride, int64_t m, const T* w, int64_t n, int64_t k,
-                 const T* bias, T* out, int64_t out_stride) {
-  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kRowTile, rows = std::min(kRowTile, n - n0);
-      const T* wt = w + n0 * k;
-      int64_t j = 0;
-      for (; j + 4 <= m; j += 4)
-        dot_rows<T, 4, 4>(x + j * x_stride, x_stride, wt, rows, k, out + j * out_stride + n0, out_stride);
-      for (; j < m; ++j) dot_rows<T, 1, 16>(x + j * x_stride, x_stride, wt, rows, k, out + j * out_stride + n0, 0);
-      if (bias != nullptr) {
-        for (int64_t jj = 0; jj < m; ++jj)
-          for (int64_t c = n0; c < n0 + rows; ++c)
-            out[jj * out_stride + c] = static_cast<T>(static_cast<float>(out[jj * out_stride + c]) +
-                                                      static_cast<float>(bias[c]));
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// out = x @ w^T (+ bias), or false (nothing done) for tensors this kernel
-// does not handle, so the caller uses torch.
-bool skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                   torch::Tensor& out) {
-  const auto dtype = x.scalar_type();
-  bool ok = x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.device().is_cpu() &&
-            (dtype == at::kFloat || dtype == at::kBFloat16) && w.scalar_type() == dtype &&
-            out.scalar_type() == dtype && x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous();
-  if (bias.has_value()) ok = ok && bias->scalar_type() == dtype && bias->dim() == 1 && bias->is_contiguous();
-  if (!ok) return false;
-  TORCH_CHECK(w.size(1) == x.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0),
-              "skinny_linear: x ", x.sizes(), ", w ", w.sizes(), ", out ", out.sizes());
-  TORCH_CHECK(!bias.has_value() || bias->size(0) == w.size(0), "skinny_linear: bias ", bias->sizes());
-  if (dtype == at::kFloat) {
-    linear_impl<float>(x.data_ptr<float>(), x.stride(0), x.size(0), w.data_ptr<float>(), w.size(0), w.size(1),
-                       bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                       out.stride(0));
-  } else {
-    using bf16 = c10::BFloat16;
-    linear_impl<bf16>(x.data_ptr<bf16>(), x.stride(0), x.size(0), w.data_ptr<bf16>(), w.size(0), w.size(1),
-                      bias.has_value() ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0));
-  }
-  return true;
-}
-"""
+SOURCE = Path(__file__).parents[1] / "csrc" / "cpu_linear.cpp"
 
 
-_KERNEL = native.Kernel("loragw_cpu_linear", _SOURCE, ["skinny_linear"], "CPU linear kernel", ENV_SWITCH)
+_KERNEL = native.Kernel("loragw_cpu_linear", SOURCE, "CPU linear kernel", ENV_SWITCH)
 load_kernel = _KERNEL.load
 
 

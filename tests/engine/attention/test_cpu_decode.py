@@ -91,7 +91,7 @@ def test_switched_off_by_environment(monkeypatch):
 
 def test_a_failed_build_falls_back_to_the_twin(no_compiler, monkeypatch, caplog):
     """No compiler or no ninja (a bare CI image): the build raises inside
-    load_inline; the backend logs it once and serves decodes with the twin."""
+    cpp_extension.load; the backend logs it once and serves decodes with the twin."""
     assert cpu_decode._KERNEL.build() is None
     assert "unavailable" in caplog.text
 

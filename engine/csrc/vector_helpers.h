@@ -1,0 +1,105 @@
+// Shared by the CPU kernels (engine/csrc/*.cpp, adapters/ops/csrc/*.cpp):
+// 16-lane float32 vectors (GCC vector extensions; the compiler maps them onto
+// AVX-512, or pairs of AVX2 registers), loads that widen bfloat16 and stores
+// that round to it, a horizontal sum of 16 vectors at once, and the
+// register-tiled dot products of a few rows against many (the LoRA shrink,
+// the skinny linear). engine/native.py copies it beside every kernel's
+// source for the build.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline void store16(c10::BFloat16* p, f32x16 v) {  // rounds to nearest even, as torch does
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
+}
+
+inline f32x16 pair_add(f32x16 x, f32x16 y, i32x16 lo, i32x16 hi) {
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// Lane i of the result is the sum of the 16 lanes of a[i]: a transpose-add
+// tree, 15 adds for 16 dot products instead of 16 horizontal reductions.
+inline f32x16 sum_each(f32x16* a) {
+  const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const i32x16 lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const i32x16 hi3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const i32x16 lo4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 hi4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  f32x16 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k) b[k] = pair_add(a[2 * k], a[2 * k + 1], lo1, hi1);
+  for (int k = 0; k < 4; ++k) c[k] = pair_add(b[2 * k], b[2 * k + 1], lo2, hi2);
+  for (int k = 0; k < 2; ++k) d[k] = pair_add(c[2 * k], c[2 * k + 1], lo3, hi3);
+  return pair_add(d[0], d[1], lo4, hi4);
+}
+
+// y[j * y_stride + k] = x_j . w_k for JB rows of x (x_stride apart) and the
+// nk rows of w ([nk, k_dim], rows contiguous), in float32, rounded to O on
+// store. Register tiles of JB rows x KT w rows: a tile past nk repeats w's
+// last row (from L1) and drops the result, so the loops keep fixed bounds
+// and the JB * KT = 16 accumulators stay in registers.
+template <typename T, int JB, int KT, typename O>
+void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t nk, int64_t k_dim, O* y, int64_t y_stride) {
+  static_assert(JB * KT == kLanes, "one sum_each per tile");
+  const int64_t full = k_dim / kLanes * kLanes;
+  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
+    const T* wr[KT];
+    for (int kk = 0; kk < KT; ++kk) wr[kk] = w + std::min<int64_t>(k0 + kk, nk - 1) * k_dim;
+    f32x16 acc[kLanes] = {};
+    for (int64_t h = 0; h < full; h += kLanes) {
+      f32x16 wv[KT];
+      for (int kk = 0; kk < KT; ++kk) wv[kk] = load16(wr[kk] + h);
+      for (int jj = 0; jj < JB; ++jj) {
+        const f32x16 xv = load16(x + jj * x_stride + h);
+        for (int kk = 0; kk < KT; ++kk) acc[jj * KT + kk] += xv * wv[kk];
+      }
+    }
+    const f32x16 sums = sum_each(acc);
+    float lanes[kLanes];
+    std::memcpy(lanes, &sums, sizeof lanes);
+    for (int jj = 0; jj < JB; ++jj) {
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) {
+        float v = lanes[jj * KT + kk];
+        for (int64_t h = full; h < k_dim; ++h)
+          v += static_cast<float>(x[jj * x_stride + h]) * static_cast<float>(wr[kk][h]);
+        y[jj * y_stride + k0 + kk] = static_cast<O>(v);
+      }
+    }
+  }
+}
+
+}  // namespace

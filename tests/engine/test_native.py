@@ -1,0 +1,115 @@
+"""How the C++ CPU kernels are kept and built (engine/native.py): sources in
+`csrc/` folders that ship with the package, never in Python strings, and a
+cache name that follows their content."""
+
+import fnmatch
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from adapters.ops import cpu_ops
+from engine import native
+from engine.attention import cpu_decode
+from engine.model import cpu_linear
+
+ROOT = Path(__file__).parents[2]
+KERNEL_PACKAGES = ("engine", "adapters")
+# An include directive, a namespace, torch's C++ API or a build from a
+# string: C++ that is not in a C++ file.
+EMBEDDED_CPP = re.compile(
+    r"^\s*#\s*include\s*[<\"]|\bnamespace\s*\{|\btorch::|TORCH_CHECK\(|PYBIND11_MODULE\(|load_inline\(|cpp_sources\s*=",
+    re.MULTILINE,
+)
+
+
+def test_no_python_module_embeds_cpp():
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in KERNEL_PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if EMBEDDED_CPP.search(path.read_text())
+    ]
+    assert offenders == [], "C++ belongs in a csrc/ folder: " + ", ".join(offenders)
+
+
+@pytest.mark.parametrize("module", [cpu_linear, cpu_decode, cpu_ops], ids=lambda m: m.__name__)
+def test_every_kernel_builds_from_a_csrc_file(module):
+    source = module._KERNEL.source
+    assert source.is_file()
+    assert source.parent.name == "csrc" and source.suffix == ".cpp"
+    assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME" in source.read_text()
+
+
+def test_every_csrc_file_ships_with_the_package():
+    """Each file of a csrc/ folder matches a package-data glob of the package
+    that holds it, so a non-editable install can build the kernels."""
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    files = [path for package in KERNEL_PACKAGES for path in (ROOT / package).rglob("csrc/*") if path.is_file()]
+    assert len(files) >= 4  # three kernels and their shared header
+    unshipped = []
+    for path in files:
+        rel = path.relative_to(ROOT)
+        shipped = any(
+            fnmatch.fnmatch(str(rel.relative_to(*package.split("."))), glob)
+            for package, globs in package_data.items()
+            if rel.is_relative_to(Path(*package.split(".")))
+            for glob in globs
+        )
+        if not shipped:
+            unshipped.append(str(rel))
+    assert unshipped == []
+
+
+def test_the_cache_key_follows_the_source_and_the_shared_headers(tmp_path, monkeypatch):
+    headers = tmp_path / "headers"
+    headers.mkdir()
+    header = headers / "helpers.h"
+    header.write_text("inline int one() { return 1; }\n")
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "helpers.h"\nint two() { return one() + 1; }\n')
+    monkeypatch.setattr(native, "HEADERS", headers)
+
+    key = native.cache_key(source)
+    assert native.cache_key(source) == key  # unchanged: the cached build is found
+
+    source.write_text('#include "helpers.h"\nint two() { return one() * 2; }\n')
+    assert native.cache_key(source) != key
+    source.write_text('#include "helpers.h"\nint two() { return one() + 1; }\n')
+    assert native.cache_key(source) == key
+
+    header.write_text("inline int one() { return 2 - 1; }\n")
+    assert native.cache_key(source) != key
+
+
+def test_a_missing_source_leaves_torch(tmp_path, caplog):
+    assert native.build("loragw_test_missing", tmp_path / "absent.cpp", "test kernel") is None
+    assert "test kernel unavailable" in caplog.text
+
+
+def test_a_second_checkout_stages_onto_the_first_ones_build(tmp_path, monkeypatch):
+    """The same source from another path leaves the staged copies as they
+    were (ninja then finds nothing to rebuild); a changed one replaces them."""
+    headers = tmp_path / "headers"
+    headers.mkdir()
+    (headers / "helpers.h").write_text("inline int one() { return 1; }\n")
+    monkeypatch.setattr(native, "HEADERS", headers)
+    first, second = tmp_path / "a" / "kernel.cpp", tmp_path / "b" / "kernel.cpp"
+    for source in (first, second):
+        source.parent.mkdir()
+        source.write_text('#include "helpers.h"\nint two() { return one() + 1; }\n')
+    build_dir = tmp_path / "build" / "src"
+
+    staged = native.stage(first, build_dir)
+    assert staged.read_text() == first.read_text()
+    assert (build_dir / "helpers.h").read_text() == "inline int one() { return 1; }\n"
+    written = {path.name: path.stat().st_mtime_ns for path in build_dir.iterdir()}
+
+    assert native.stage(second, build_dir) == staged
+    assert {path.name: path.stat().st_mtime_ns for path in build_dir.iterdir()} == written
+
+    second.write_text('#include "helpers.h"\nint two() { return one() * 2; }\n')
+    native.stage(second, build_dir)
+    assert staged.read_text() == second.read_text()
+    assert sorted(path.name for path in build_dir.iterdir()) == ["helpers.h", "kernel.cpp"]
