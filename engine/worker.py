@@ -172,9 +172,13 @@ class _EngineLoop:
 class Worker:
     """The I/O side: the ROUTER socket, sessions and heartbeats."""
 
-    def __init__(self, config: EngineConfig, *, listen: str, secret: str | None, heartbeat_s: float = 0.5):
+    def __init__(self, config: EngineConfig, *, listen: str, secret: str | None, heartbeat_s: float = 0.5,
+                 parent_pid: int | None = None):
         check_listen(listen, secret)
         self.secret = secret
+        # A supervised worker stops when its gateway is gone, however the
+        # gateway ended (SIGKILL included): it is then re-parented.
+        self.parent_pid = parent_pid
         self.heartbeat_s = heartbeat_s
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
@@ -206,8 +210,12 @@ class Worker:
                 if self.router in events:
                     self._receive()
                 now = time.monotonic()
-                if now >= next_beat and self.session is not None:
-                    self._send(self.session, self._status())
+                if now >= next_beat:
+                    if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                        log.warning("the supervising gateway (pid %d) is gone; stopping", self.parent_pid)
+                        break
+                    if self.session is not None:
+                        self._send(self.session, self._status())
                     next_beat = now + self.heartbeat_s
             self._forward_outbox()  # the Fatal, if the engine failed
         finally:
@@ -270,11 +278,11 @@ class Worker:
 
 
 def run_worker(config: EngineConfig, *, listen: str, secret: str | None = None, metrics_port: int | None = None,
-               metrics_host: str = "127.0.0.1", heartbeat_s: float = 0.5) -> int:
+               metrics_host: str = "127.0.0.1", heartbeat_s: float = 0.5, parent_pid: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or an engine failure (exit 3)."""
-    worker = Worker(config, listen=listen, secret=secret, heartbeat_s=heartbeat_s)
+    worker = Worker(config, listen=listen, secret=secret, heartbeat_s=heartbeat_s, parent_pid=parent_pid)
     if metrics_port is not None:
-        from engine.worker_metrics import serve_worker_metrics
+        from engine.snapshot_metrics import serve_worker_metrics
 
         serve_worker_metrics(lambda: worker.engine.snapshot, port=metrics_port, host=metrics_host)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -297,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", required=True)
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--parent-pid", type=int, help="stop when this process (the supervisor) is gone")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
     return run_worker(config, listen=args.listen, secret=os.environ.get("LORAGW_WORKER_SECRET") or None,
-                      metrics_port=args.metrics_port)
+                      metrics_port=args.metrics_port, parent_pid=args.parent_pid)
 
 
 if __name__ == "__main__":

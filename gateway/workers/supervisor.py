@@ -6,14 +6,13 @@ private directory (0700), so no other user can reach it and no port is
 taken. A worker that exits is reported to the fleet at once (its requests
 end or move without waiting for the heartbeat to lapse) and started again
 after a backoff that doubles up to `backoff_max_s`, reset once a worker has
-stayed up for `_STABLE_S`. Workers die with the gateway: Linux sends them
-SIGTERM when it exits, whatever killed it.
+stayed up for `_STABLE_S`. Workers stop with the gateway, however it
+ended: each watches for its parent process to go away (`--parent-pid`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -30,7 +29,6 @@ log = logging.getLogger(__name__)
 
 _STABLE_S = 60.0
 _STOP_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -38,13 +36,6 @@ class LocalWorker:
     worker_id: str
     endpoint: str
     device: str | None  # "cuda:1", "cpu", or None for the engine's default
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: workers then outlive a gateway killed with SIGKILL
 
 
 class LocalWorkers:
@@ -119,10 +110,10 @@ class LocalWorkers:
         if self.secret:
             env["LORAGW_WORKER_SECRET"] = self.secret
         argv = [sys.executable, "-m", "engine.worker", "--listen", worker.endpoint,
-                "--config-json", msgspec.json.encode(config).decode(), "--log-level", self.log_level]
+                "--config-json", msgspec.json.encode(config).decode(), "--log-level", self.log_level,
+                "--parent-pid", str(os.getpid())]
         return await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.DEVNULL,
-                                                    preexec_fn=_die_with_parent)
+                                                    stdout=asyncio.subprocess.DEVNULL)
 
 
 def _pin_device(config, env: dict, device: str):
