@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
+import native
 from adapters.ops.meta import SGMVMeta
 from adapters.ops.torch_ops import TorchLoraOps
-from engine import native
 
 ENV_SWITCH = "LORAGW_CPU_LORA_KERNEL"
 TOKEN_BLOCK = 16

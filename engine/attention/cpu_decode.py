@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import native
+import native
 
 ENV_SWITCH = "LORAGW_CPU_DECODE_KERNEL"
 _DTYPES = (torch.float32, torch.bfloat16)

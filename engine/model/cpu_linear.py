@@ -40,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import native
+import native
 
 log = logging.getLogger(__name__)
 
