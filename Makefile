@@ -41,7 +41,7 @@ bench: $(TEST_STAMP)
 # Fine-tunes the `pirate` and `terse-json` LoRA adapters (peft, a test extra) on
 # the CPU, imports them into the registry and compares them with the base model.
 demo-adapters: $(TEST_STAMP)
-	$(PY) -m adapters.demo
+	$(PY) examples/demo_adapters.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,22 +1,24 @@
-"""Typed errors of the adapter registry.
+"""Typed errors of the adapters package.
 
-They subclass the engine's `ValidationError`, so the gateway's one error
-mapping turns them into 4xx answers: `AdapterError` is a bad upload or a bad
-reference (400), `AdapterNotFound` an unknown adapter (404). `param` names the
-offending field: "name" for adapter names, "adapter" for the files' content,
-"model" for a reference in a request (`model: "name@3"`).
+`AdapterError` is bad input: a bad upload, a bad reference, or a LoRA
+setting this package cannot serve. Like the engine's `ValidationError` it is
+a `ValueError` whose `param` names the offending field: "name" for adapter
+names, "adapter" for the files' content, "model" for a reference in a
+request (`model: "name@3"`). `AdapterNotFound` is an unknown adapter. The
+gateway maps both to HTTP in its one error mapping (gateway/errors.py);
+this package imports nothing of the engine's, so it has its own root.
 """
 
 from __future__ import annotations
 
-from engine.errors import ValidationError
 
-
-class AdapterError(ValidationError):
-    """An adapter, its name or a reference to it is invalid."""
+class AdapterError(ValueError):
+    """An adapter, its name, a reference to it or a LoRA setting is invalid."""
 
     def __init__(self, message: str, *, param: str = "adapter"):
-        super().__init__(param, message)
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
 
 
 class AdapterNotFound(AdapterError):

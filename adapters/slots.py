@@ -24,8 +24,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from engine.errors import EngineError
-from engine.step_io import AdapterLoad
+from adapters.slot_load import AdapterLoad
 
 # Our packed projections and the HF (peft) modules behind their slices.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -36,7 +35,7 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
-class AdapterLoadError(EngineError):
+class AdapterLoadError(RuntimeError):
     """An adapter's weights could not be loaded; requests for it fail."""
 
 

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from adapters.slot_load import AdapterKey
 from engine.sampling_params import SamplingParams
-
-# A LoRA adapter's registry key: (name, version, content digest). The engine
-# treats it as opaque and hashable; the worker protocol carries it as this.
-AdapterKey = tuple[str, int, str]
 
 
 class Tier(str, enum.Enum):

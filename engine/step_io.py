@@ -3,12 +3,15 @@
 `Scheduler.schedule()` returns a `SchedulerOutput`; the runner turns it into
 a `RunnerOutput`; `Scheduler.update()` closes the loop and yields a
 `StepUsage`. All plain dataclasses, so scheduler tests build the runner's
-side by hand and never need torch.
+side by hand and never need torch. The slot loads they carry are the
+adapters package's `AdapterLoad` (adapters/slot_load.py), which makes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from adapters.slot_load import AdapterLoad
 from engine.request import AdapterKey, FinishReason, Tier
 from engine.sampling_params import SamplingParams
 
@@ -83,14 +86,6 @@ class SampledToken:
     logprob: float | None = None
     # (token_id, logprob) best first, when the request asked for top logprobs.
     top_logprobs: tuple[tuple[int, float], ...] | None = None
-
-
-@dataclass(frozen=True)
-class AdapterLoad:
-    """One adapter copied into a device slot during a step, and how long it took."""
-
-    adapter_key: AdapterKey
-    load_us: int
 
 
 @dataclass

@@ -187,11 +187,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    import migrations
     from engine.errors import EngineError
     from engine.model.loader import resolve_model_dir
     from gateway import server
     from gateway.config import ConfigError
+    from gateway.store import schema
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -199,7 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         config.engine.cache_config()  # validates the cache flags
         resolve_model_dir(config.engine.model)  # fail now, not after the server is up
         db_url = config.resolved_db_url()
-        migrations.upgrade(db_url)
+        schema.upgrade(db_url)
     except (EngineError, SQLAlchemyError, OSError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

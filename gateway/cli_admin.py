@@ -83,13 +83,14 @@ def _add_adapters(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from adapters.errors import AdapterError
     from engine.errors import EngineError
     from gateway.errors import APIError
     from gateway.store.base import StoreError
 
     try:
         asyncio.run(_run(args))
-    except (APIError, StoreError, EngineError, OSError) as exc:
+    except (APIError, StoreError, AdapterError, EngineError, OSError) as exc:
         print(f"error: {getattr(exc, 'message', None) or exc}", file=sys.stderr)
         return 1
     return 0
@@ -98,11 +99,12 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> None:
     import migrations
     from gateway.config import GatewayConfig
+    from gateway.store import schema
     from gateway.store.sql import SqlStore
 
     db_url = args.db or GatewayConfig().resolved_db_url()
     registry = _registry_for(args)  # before the database: a bad --model changes nothing
-    await migrations.upgrade_async(db_url)
+    await schema.upgrade_async(db_url)
     if args.command == "migrate":
         _print_migrated(args, db_url, migrations.head_revision())
         return

@@ -54,14 +54,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _export(args: argparse.Namespace, since: int, until: int, prices) -> None:
-    import migrations
     from billing.export import usage_rows, write
     from billing.ledger import Ledger
     from gateway.config import GatewayConfig
+    from gateway.store import schema
     from gateway.store.sql import create_engine
 
     db_url = args.db or GatewayConfig().resolved_db_url()
-    await migrations.upgrade_async(db_url)
+    await schema.upgrade_async(db_url)
     engine = create_engine(db_url)
     try:
         rows = await usage_rows(Ledger(engine), prices, group_by=args.group_by, since_us=since, until_us=until,

@@ -2,9 +2,9 @@
 
 Every error body is `{"error": {"message", "type", "param", "code"}}` with a
 string `code`. Route code raises `APIError` subclasses (or lets a typed
-engine/store error through); `install_error_handlers` maps all of them, so
-no route builds an error response by hand and bad input never turns into
-a 500.
+engine, adapter or store error through); `install_error_handlers` maps all
+of them, so no route builds an error response by hand and bad input never
+turns into a 500.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from adapters.errors import AdapterError
 from engine.errors import EngineDeadError
 from engine.errors import ValidationError as EngineValidationError
 from gateway.engine_client import EngineNotReady
@@ -117,7 +118,7 @@ def to_api_error(exc: BaseException) -> APIError:
     """The API error for any exception; unknown ones become a bare 500."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineValidationError):
+    if isinstance(exc, (EngineValidationError, AdapterError)):
         return InvalidRequest(exc.message, param=exc.param)
     if isinstance(exc, NotFound):
         return ResourceNotFound(exc.message, param=exc.param)
@@ -156,7 +157,7 @@ def install_error_handlers(app: Starlette) -> None:
     # and is done. A handler for bare `Exception` runs in
     # ServerErrorMiddleware, which re-raises after answering (so the server
     # logs a traceback): keep that path for real 500s only.
-    for expected in (APIError, EngineValidationError, NotFound, Conflict, EngineDeadError, EngineNotReady,
-                     HTTPException) + OUTAGE_ERROR_TYPES:
+    for expected in (APIError, EngineValidationError, AdapterError, NotFound, Conflict, EngineDeadError,
+                     EngineNotReady, HTTPException) + OUTAGE_ERROR_TYPES:
         app.add_exception_handler(expected, handle)
     app.add_exception_handler(Exception, handle)

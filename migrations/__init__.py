@@ -1,34 +1,24 @@
 """The one alembic schema history, for SQLite and PostgreSQL alike.
 
-`upgrade(db_url)` brings a database to the newest revision; `loragw migrate`
-and `loragw serve` call it. The alembic Config is built here in code, so
-nothing depends on an alembic.ini or on the working directory.
+`upgrade_engine(engine)` brings the database behind an engine to the newest
+revision. The caller makes the engine: `gateway.store.schema.upgrade(url)`,
+which `loragw migrate` and `loragw serve` call, makes it with the store's
+connection policy, so this package imports nothing of the gateway's. The
+alembic Config is built here in code, so nothing depends on an alembic.ini or
+on the working directory. Autogenerate compares against the metadata put in
+`config.attributes["target_metadata"]` (`gateway.store.schema.target_metadata()`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy import MetaData
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 HERE = Path(__file__).resolve().parent
-
-
-def target_metadata() -> MetaData:
-    """Every table the history creates: the gateway's and the billing ledger's."""
-    from billing.models import BillingBase
-    from gateway.store.models import Base
-
-    combined = MetaData()
-    for metadata in (Base.metadata, BillingBase.metadata):
-        for table in metadata.tables.values():
-            table.to_metadata(combined)
-    return combined
 
 
 def alembic_config(db_url: str | None = None) -> Config:
@@ -54,21 +44,6 @@ async def upgrade_engine(engine: AsyncEngine, revision: str = "head") -> None:
 
     async with engine.begin() as connection:
         await connection.run_sync(run)
-
-
-async def upgrade_async(db_url: str, revision: str = "head") -> None:
-    from gateway.store.sql import create_engine
-
-    engine = create_engine(db_url)
-    try:
-        await upgrade_engine(engine, revision)
-    finally:
-        await engine.dispose()
-
-
-def upgrade(db_url: str, revision: str = "head") -> None:
-    """`alembic upgrade head` on `db_url`, from synchronous code."""
-    asyncio.run(upgrade_async(db_url, revision))
 
 
 async def current_revision(engine: AsyncEngine) -> str | None:

@@ -1,19 +1,19 @@
-"""Alembic environment: async-aware, one history for SQLite and PostgreSQL.
+"""Alembic environment: one history for SQLite and PostgreSQL.
 
-`migrations.upgrade_engine` hands in an open connection through
-`config.attributes["connection"]`; otherwise (the `alembic` command) an
-async engine is made from `sqlalchemy.url`."""
+Online, the caller hands in an open connection through
+`config.attributes["connection"]` (`migrations.upgrade_engine`, which
+`loragw migrate` reaches through `gateway.store.schema.upgrade`): the engine
+behind it is made with the store's connection policy, which this package
+cannot import. Offline (`alembic upgrade --sql`) only writes SQL.
+Autogenerate compares against `config.attributes["target_metadata"]`
+(`gateway.store.schema.target_metadata()`); upgrades need no metadata."""
 
 from __future__ import annotations
 
-import asyncio
-
 from alembic import context
 
-from migrations import target_metadata as _target_metadata
-
 config = context.config
-target_metadata = _target_metadata()
+target_metadata = config.attributes.get("target_metadata")
 
 
 def run_migrations(connection) -> None:
@@ -28,17 +28,6 @@ def run_migrations(connection) -> None:
         context.run_migrations()
 
 
-async def run_async() -> None:
-    from gateway.store.sql import create_engine
-
-    engine = create_engine(config.get_main_option("sqlalchemy.url"))
-    try:
-        async with engine.begin() as connection:
-            await connection.run_sync(run_migrations)
-    finally:
-        await engine.dispose()
-
-
 if context.is_offline_mode():
     context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=target_metadata,
                       literal_binds=True)
@@ -47,4 +36,5 @@ if context.is_offline_mode():
 elif (connection := config.attributes.get("connection")) is not None:
     run_migrations(connection)
 else:
-    asyncio.run(run_async())
+    raise RuntimeError("run online migrations through `loragw migrate` (gateway.store.schema.upgrade), "
+                       "which connects with the store's policy; `alembic --sql` works offline")

@@ -1,4 +1,4 @@
-"""Helpers for the tests of the C++ CPU kernels (engine/native.py)."""
+"""Helpers for the tests of the C++ CPU kernels (native/__init__.py builds them)."""
 
 from __future__ import annotations
 

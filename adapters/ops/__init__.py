@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from adapters.errors import AdapterError
 from adapters.ops.base import LoraOps
 from adapters.ops.meta import SGMVMeta, build_sgmv_meta
-from engine.errors import ValidationError
 
 __all__ = ["LORA_OPS", "LoraOps", "SGMVMeta", "build_sgmv_meta", "get_lora_ops"]
 
@@ -51,5 +51,5 @@ def get_lora_ops(name: str, device: torch.device | str) -> LoraOps:
     factory = LORA_OPS.get(name)
     if factory is None:
         choices = ", ".join(["auto", *LORA_OPS])
-        raise ValidationError("lora_backend", f"unknown backend {name!r}; choose one of {choices}")
+        raise AdapterError(f"unknown backend {name!r}; choose one of {choices}", param="lora_backend")
     return factory()

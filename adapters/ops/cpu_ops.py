@@ -24,7 +24,7 @@ intra-op threads (adapters/ops/csrc/cpu_lora.cpp). Within an item:
 
   shrink  y[j, k] = x[j] . A_s[k], in float32, in register tiles of
           4 tokens x 4 rank rows (1 x 16 for single tokens: decodes),
-          by `dot_rows` (engine/csrc/vector_helpers.h, shared with the
+          by `dot_rows` (native/csrc/vector_helpers.h, shared with the
           linear kernel);
   expand  out[j, off_i + c] += sum_r y[j, i*R + r] * B_i,s[r, c], 16
           columns at a time, the out rows read and written once.
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
+import native
 from adapters.ops.meta import SGMVMeta
 from adapters.ops.torch_ops import TorchLoraOps
-from engine import native
 
 ENV_SWITCH = "LORAGW_CPU_LORA_KERNEL"
 # Batches below this many tokens run on one thread when idle threads sleep:
@@ -67,7 +67,7 @@ class CpuLoraOps(TorchLoraOps):
         self.kernel = load_kernel() if kernel is None else kernel
         # A decode step's LoRA work is streaming a few adapters' weights, as
         # fast on one core as on two here; where idle threads sleep, waking
-        # the second costs more than it brings (engine/native.py).
+        # the second costs more than it brings (native/__init__.py).
         self.parallel_tokens = native.serial_below(PARALLEL_TOKENS_WHEN_THREADS_SLEEP)
 
     def apply(self, x, lora_a, lora_b_slices, meta: SGMVMeta, out, offsets) -> None:

@@ -18,7 +18,7 @@ load); results match SDPA to float32 rounding, not bit for bit.
 The torch twin is `TorchAttentionBackend`'s bucketed SDPA path, which the
 backend falls back to where this kernel cannot be built (no C++ compiler) or
 is turned off (LORAGW_CPU_DECODE_KERNEL=0). How it is built and cached:
-engine/native.py.
+native/__init__.py.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from engine import native
+import native
 
 ENV_SWITCH = "LORAGW_CPU_DECODE_KERNEL"
 _DTYPES = (torch.float32, torch.bfloat16)
-# Where idle threads sleep (engine/native.py), a call over fewer context
+# Where idle threads sleep (native/__init__.py), a call over fewer context
 # positions than this stays on one thread: on 2 cores under
 # OMP_WAIT_POLICY=PASSIVE, 4 sequences of 450 positions took 138 us on one
 # thread and 271 us on two, 16 took 591 and 692, 48 took 4.7 ms and 2.4 ms.

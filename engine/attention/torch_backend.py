@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import native
+import native
 from engine.attention import cpu_decode
 from engine.attention.base import AttentionBackend, AttentionMetadata
 

@@ -14,7 +14,7 @@ register tiles (4 token rows x 4 weight rows, or 1 x 16 for a single row),
 float32 accumulation for float32 and bfloat16 alike, threads splitting the
 weight rows. torch's F.linear is the twin that the tests hold it to. It is
 switched off by LORAGW_CPU_LINEAR_KERNEL=0 and built like the other kernels
-(engine/native.py).
+(native/__init__.py).
 
 Where the GEMM wins again depends on the host. The first limit, 32 rows,
 was only where the measurements stopped. On our 2-core AMD EPYC with
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine import native
+import native
 
 log = logging.getLogger(__name__)
 

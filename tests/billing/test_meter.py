@@ -6,9 +6,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adapters.slot_load import AdapterLoad
 from billing.meter import PLATFORM_OVERHEAD, Account, Meter, split_exact
 from engine.request import Tier
-from engine.step_io import AdapterLoad, Preemption, RequestStepUsage, StepUsage
+from engine.step_io import Preemption, RequestStepUsage, StepUsage
 
 ALICE = Account("t-alice", "alice", "k1", "premium")
 BOB = Account("t-bob", "bob", "k2", "standard")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import migrations
+from gateway.store import schema
 
 POSTGRES_ENV = "LORAGW_TEST_POSTGRES_URL"
 
@@ -44,7 +44,7 @@ def db_url(request, tmp_path) -> str:
         if not url:
             pytest.skip(f"{POSTGRES_ENV} is not set")
         asyncio.run(_reset_postgres(url))
-    migrations.upgrade(url)
+    schema.upgrade(url)
     return url
 
 

@@ -78,10 +78,10 @@ def seed_tenants(db_url: str, tenants: dict, grants=()) -> dict[str, str]:
     """Migrate, then add the tenants (name -> Tier, or (Tier, TenantLimits)),
     one key each, and the adapter grants (name, owner, shared). Returns
     name -> key secret."""
-    import migrations
+    from gateway.store import schema
     from gateway.tenancy import TenantLimits
 
-    migrations.upgrade(db_url)
+    schema.upgrade(db_url)
     now = dt.datetime.now(dt.UTC)
 
     async def seed(store):

@@ -7,9 +7,9 @@ import datetime as dt
 import io
 import logging
 
-import migrations
 from gateway.config import GatewayConfig
 from gateway.demo_tenant import DEMO_LIMITS, announce_demo_key, ensure_demo_tenant
+from gateway.store import schema
 from gateway.tenancy import TenantLimits
 from tests.gateway.live import run_with_store
 
@@ -43,7 +43,7 @@ def test_demo_tenant_flag_creates_it_on_an_explicit_empty_database(db_url):
 def test_demo_tenant_on_the_embedded_default_has_limits(tmp_path):
     config = GatewayConfig(data_dir=tmp_path / "data")  # no --db: SQLite in the data directory
     url = config.resolved_db_url()
-    migrations.upgrade(url)
+    schema.upgrade(url)
     first, second, principal, _ = _ensure_twice(config, url)
     assert first is not None and second is None
     limits = principal.tenant.limits
@@ -57,7 +57,7 @@ def test_demo_key_is_not_in_log_records(tmp_path, caplog):
     handlers ship records to aggregators)."""
     config = GatewayConfig(data_dir=tmp_path / "data")
     url = config.resolved_db_url()
-    migrations.upgrade(url)
+    schema.upgrade(url)
     out = io.StringIO()
     with caplog.at_level(logging.DEBUG):
         issued = run_with_store(url, lambda store: ensure_demo_tenant(config, store, NOW))

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-import migrations
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
+from gateway.store import schema
 from gateway.tenancy import TenantLimits, Tier
 from tests.gateway.live import build_in_process_gateway, ADMIN_TOKEN, run_with_store, start_live_server
 
@@ -31,7 +31,7 @@ CHAT = [{"role": "user", "content": "Say something."}]
 def live(tiny_llama_dir, tiny_adapter_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live-openai")
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
-    migrations.upgrade(db_url)
+    schema.upgrade(db_url)
     now = dt.datetime.now(dt.UTC)
 
     async def seed(store):

@@ -157,16 +157,18 @@ async def test_adapter_grants(store):
 
 
 async def test_migrations_match_the_models(db_url):
-    import migrations
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
+
+    import migrations
+    from gateway.store import schema
 
     store = SqlStore.from_url(db_url)
     try:
         assert await migrations.current_revision(store.engine) == migrations.head_revision()
         async with store.engine.connect() as conn:
             diff = await conn.run_sync(lambda c: compare_metadata(
-                MigrationContext.configure(c, opts={"compare_type": True}), migrations.target_metadata()))
+                MigrationContext.configure(c, opts={"compare_type": True}), schema.target_metadata()))
         assert diff == []
         await migrations.upgrade_engine(store.engine)  # at head already: a no-op
     finally:
@@ -177,12 +179,12 @@ async def test_sqlite_database_is_created_owner_only(tmp_path):
     import os
     import stat
 
-    import migrations
+    from gateway.store import schema
 
     old_umask = os.umask(0o022)  # the usual default: new files 0644, world-readable
     try:
         url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
-        await migrations.upgrade_async(url)
+        await schema.upgrade_async(url)
         store = SqlStore.from_url(url)
         await store.create_tenant("acme", Tier.STANDARD, TenantLimits())
         await store.close()

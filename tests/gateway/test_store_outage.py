@@ -62,10 +62,10 @@ async def test_db_down_silent_postgres_fails_within_the_connect_timeout(monkeypa
 
 @pytest.fixture
 def sqlite_path(tmp_path):
-    import migrations
+    from gateway.store import schema
 
     path = tmp_path / "loragw.db"
-    migrations.upgrade(f"sqlite+aiosqlite:///{path}")
+    schema.upgrade(f"sqlite+aiosqlite:///{path}")
     return path
 
 

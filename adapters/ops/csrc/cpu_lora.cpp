@@ -1,7 +1,7 @@
 // A whole LoRA projection on the CPU: the shrink, then the expand of every
 // slice, added into the packed output. Why, and the layout it wants:
 // adapters/ops/cpu_ops.py.
-#include "vector_helpers.h"  // engine/csrc/, copied beside this file for the build (engine/native.py)
+#include "vector_helpers.h"  // native/csrc/, copied beside this file for the build (native/__init__.py)
 
 namespace {
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from adapters.errors import AdapterError
 from adapters.ops import LoraOps, build_sgmv_meta, get_lora_ops
-from engine.errors import ValidationError
 from tests.adapters.ops.naive import naive_expand, naive_shrink, per_token_slots
 
 BACKENDS = ["torch", "triton"]
@@ -348,8 +348,9 @@ def test_registry_picks_backends():
     assert get_lora_ops("torch", "cpu").name == "torch"
     assert get_lora_ops("cpu", "cpu").name == "cpu"
     assert get_lora_ops("auto", "cpu").name == "cpu"
-    with pytest.raises(ValidationError):
+    with pytest.raises(AdapterError) as err:
         get_lora_ops("cutlass", "cpu")
+    assert err.value.param == "lora_backend"
 
 
 def test_importing_adapters_ops_does_not_import_triton():

@@ -1,4 +1,4 @@
-"""How the C++ CPU kernels are kept and built (engine/native.py): sources in
+"""How the C++ CPU kernels are kept and built (native/__init__.py): sources in
 `csrc/` folders that ship with the package, never in Python strings, and a
 cache name that follows their content."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from adapters.ops import cpu_ops
-from engine import native
+import native
 from engine.attention import cpu_decode
 from engine.model import cpu_linear
 
-ROOT = Path(__file__).parents[2]
-KERNEL_PACKAGES = ("engine", "adapters")
+ROOT = Path(__file__).parents[1]
+KERNEL_PACKAGES = ("engine", "adapters", "native")
 # An include directive, a namespace, torch's C++ API or a build from a
 # string: C++ that is not in a C++ file.
 EMBEDDED_CPP = re.compile(

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from adapters.demo import (
+from examples.demo_adapters import (
     HELD_OUT,
     IGNORE_INDEX,
     PIRATE_OPENERS,

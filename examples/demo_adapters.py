@@ -1,6 +1,6 @@
 """Train two small, visibly different LoRA adapters and serve them.
 
-    python -m adapters.demo [--out DIR] [--steps N] [--threads N]
+    python examples/demo_adapters.py [--out DIR] [--steps N] [--threads N]
 
 `pirate` answers like a pirate ("Arr, matey! The capital o' France be
 Paris. Savvy?"); `terse-json` answers in one line of JSON
@@ -279,7 +279,7 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m adapters.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="examples/demo_adapters.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="where to save the PEFT adapter dirs; default: a temp dir")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per adapter (batches of 8)")
     parser.add_argument("--threads", type=int, default=1,

@@ -3,7 +3,7 @@
 // AVX-512, or pairs of AVX2 registers), loads that widen bfloat16 and stores
 // that round to it, a horizontal sum of 16 vectors at once, and the
 // register-tiled dot products of a few rows against many (the LoRA shrink,
-// the skinny linear). engine/native.py copies it beside every kernel's
+// the skinny linear). native/__init__.py copies it beside every kernel's
 // source for the build.
 #pragma once
 

@@ -1,0 +1,1 @@
+"""Programs built on loragw's parts (`make demo-adapters`); not installed."""
