@@ -313,8 +313,8 @@ def main() -> None:
                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
     result: dict = {"args": vars(args), "machine": machine_facts(), "load_before": load_average()}
     llm = LLM(dtype=args.dtype, **knobs)
-    result["engine_config"] = {k: getattr(llm.config, k)
-                               for k in ("max_num_seqs", "max_num_batched_tokens", "block_size")}
+    flat = llm.config.to_flat()
+    result["engine_config"] = {k: flat[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size")}
     workload = make_workload(args.num_requests, args.seed, llm.tokenizer)
     result["workload"] = workload.summary()
     roofline = LinearRoofline(llm.engine.core.runner.model, ROOFLINE_TOKENS)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
+from engine.adapter_slots import AdapterSlotPolicy
 from engine.attention import get_attention_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.engine_core import EngineCore
@@ -36,9 +38,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
                   max_model_len: int) -> int:
-    cache = config.cache_config()
-    if cache.num_blocks is not None:
-        return cache.num_blocks
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
     if cache.kv_cache_memory is not None:
         return _blocks_in(cache.kv_cache_memory, bytes_per_block)
     if device.type == "cuda":
@@ -49,7 +51,7 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.devi
     # A default budget never exceeds what max_num_seqs full-length sequences
     # could hold: a small model would otherwise zero gigabytes it never uses.
     blocks_per_seq = -(-max_model_len // cache.block_size)
-    return min(_blocks_in(budget, bytes_per_block), config.max_num_seqs * blocks_per_seq)
+    return min(_blocks_in(budget, bytes_per_block), config.scheduler.max_num_seqs * blocks_per_seq)
 
 
 def _blocks_in(budget: int, bytes_per_block: int) -> int:
@@ -67,18 +69,20 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
     attn = get_attention_backend(config.attention_backend, device)
     loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn)
 
-    cache = config.cache_config()
+    cache = config.cache
     bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, dtype)
-    sched_config = config.scheduler_config(loaded.max_model_len)
-    num_blocks = num_kv_blocks(config, bytes_per_block, device, sched_config.max_model_len)
+    max_model_len = min(config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+    num_blocks = num_kv_blocks(config, bytes_per_block, device, max_model_len)
     kv_caches = allocate_kv_caches(loaded.hf_config, num_blocks, cache.block_size, dtype, device)
-    reserved = int(num_blocks * cache.premium_reserved_fraction) if config.enable_tiers else 0
+    reserved = config.premium_reserved_blocks(num_blocks)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d reserved for premium",
              num_blocks, cache.block_size, num_blocks * bytes_per_block / 2**20, reserved)
 
     kv = KVCacheManager(num_blocks, cache.block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=cache.enable_prefix_caching)
-    scheduler = Scheduler(sched_config, kv)
+    slot_policy = AdapterSlotPolicy(config.lora.max_loras, config.lora.max_slot_wait_steps)
+    scheduler = Scheduler(sched_config, kv, slot_policy)
     lora, registry = _build_lora(config, loaded, dtype, device)
     if lora is not None:
         scheduler.adapters.is_ready = lora.slots.is_ready
@@ -95,7 +99,8 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
 
 def _build_lora(config: EngineConfig, loaded, dtype: torch.dtype, device: torch.device):
     """The adapter registry and the device-side LoRA runtime, or (None, None)."""
-    if config.max_loras == 0:
+    lora_config = config.lora
+    if lora_config.max_loras == 0:
         return None, None
     from pathlib import Path
 
@@ -105,11 +110,11 @@ def _build_lora(config: EngineConfig, loaded, dtype: torch.dtype, device: torch.
     from adapters.slots import LoraSlotManager
 
     registry = AdapterRegistry(Path(config.data_dir) / "adapters" if config.data_dir else None,
-                               base_config=loaded.hf_config, max_lora_rank=config.max_lora_rank)
+                               base_config=loaded.hf_config, max_lora_rank=lora_config.max_lora_rank)
     packed = loaded.model.packed_linears()
-    ops = get_lora_ops(config.lora_backend, device)
-    slots = LoraSlotManager(packed, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                            max_cpu_loras=config.max_cpu_loras, load_fn=registry.load_key,
+    ops = get_lora_ops(lora_config.lora_backend, device)
+    slots = LoraSlotManager(packed, max_loras=lora_config.max_loras, max_lora_rank=lora_config.max_lora_rank,
+                            max_cpu_loras=lora_config.max_cpu_loras, load_fn=registry.load_key,
                             dtype=dtype, device=device, rank_major_b=ops.rank_major_b)
     runtime = LoraRuntime(slots, ops, device)
     runtime.attach(packed)

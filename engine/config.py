@@ -1,56 +1,67 @@
-"""Engine configuration. Every field has a default that works on the CPU, and
-nothing here reads model files: tests build configs freely."""
+"""Engine configuration, in sections: scheduler, KV cache, LoRA.
+
+Every field has a default that works on the CPU, and nothing here reads
+model files: tests build configs freely. Each field is declared once, with
+its help text; `loragw serve` and `loragw worker` generate their flags from
+these fields (engine/config_flags.py), and `LLM(**kwargs)` takes the same
+names flat (`EngineConfig.from_flat`), so every field name is unique across
+the sections.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass
 
+from engine.config_flags import is_section, section, setting
 from engine.errors import ValidationError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CPU_KV_BYTES = 4 * 1024**3
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 128
-    max_model_len: int = 8192
-    # Premium is admitted first; this turns tier ordering off (every request
-    # is treated as standard), which the SLO tests use to starve premium.
-    enable_tiers: bool = True
-    # With tiers on, a step that prefills premium work carries no standard
-    # prefill: premium TTFT then costs one short step, not a full one.
-    premium_prefill_alone: bool = True
-    # With tiers on, the most prompt tokens standard requests may prefill in
-    # one step (None: the whole budget). A premium request that arrives
-    # mid-step waits for that step, so this bounds its TTFT under a
-    # standard flood; on a CPU, step time grows with every token.
-    max_standard_prefill_tokens: int | None = None
-    # Distinct LoRA adapters that may run in one step (0 disables LoRA), and
-    # the steps a request may be passed while it waits for an adapter slot.
-    max_loras: int = 4
-    max_slot_wait_steps: int = 32
+    max_num_batched_tokens: int = setting(1024, help="tokens per engine step")
+    max_num_seqs: int = setting(128, help="sequences running at once")
+    # The builder resolves None to the model's limit before the scheduler sees it.
+    max_model_len: int | None = setting(None, help="context length; default: the model's")
+    # Off: every request is treated as standard; the SLO tests use it to starve premium.
+    enable_tiers: bool = setting(True, help="plain FCFS: no tier ordering, no premium reserve (and in "
+                                            "`loragw serve`, no tier admission limits)")
+    # A step that prefills premium work carries no standard prefill: premium
+    # TTFT then costs one short step, not a full one.
+    premium_prefill_alone: bool = setting(True, help="let standard prefill share a step with premium prefill")
+    # A premium request that arrives mid-step waits for that step, so this
+    # bounds its TTFT under a standard flood; on a CPU, step time grows with
+    # every token.
+    max_standard_prefill_tokens: int | None = setting(
+        None, flag="--standard-prefill-tokens", zero_is_none=True,
+        help="most standard prompt tokens prefilled per step with tiers on, which bounds how long a premium "
+             "arrival waits for the step in flight (0: no cap; raise it on a GPU)")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValidationError(name, "must be >= 1")
-        if self.max_loras < 0 or self.max_slot_wait_steps < 0:
-            raise ValidationError("max_loras", "max_loras and max_slot_wait_steps must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValidationError("max_model_len", "must be >= 1")
+        if self.max_standard_prefill_tokens is not None and self.max_standard_prefill_tokens < 1:
+            raise ValidationError("max_standard_prefill_tokens", "must be >= 1 (None: no cap)")
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    # KV budget in bytes; None means `kv_cache_fraction` of free device
-    # memory on a GPU, or DEFAULT_CPU_KV_BYTES on the CPU.
-    kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.9
-    # Exact block count, overriding the memory budget (tests, benchmarks).
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    # Fraction of all blocks that only premium requests may allocate.
-    premium_reserved_fraction: float = 0.0
+    block_size: int = setting(16, help="tokens per KV block (a power of two)")
+    kv_cache_memory: int | None = setting(
+        None, help="KV cache budget in bytes; default: --kv-cache-fraction of free GPU memory, or 4 GiB on the CPU")
+    kv_cache_fraction: float = setting(0.9, help="share of free GPU memory the KV cache takes")
+    # Exact count, for tests and benchmarks.
+    num_kv_blocks: int | None = setting(None, help="KV blocks, overriding the memory budget")
+    enable_prefix_caching: bool = setting(True, help="turn prefix caching off")
+    premium_reserved_fraction: float = setting(0.0, help="share of the KV cache only premium requests may use")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,70 +70,90 @@ class CacheConfig:
             raise ValidationError("kv_cache_fraction", "must be in (0, 1]")
         if not 0.0 <= self.premium_reserved_fraction < 1.0:
             raise ValidationError("premium_reserved_fraction", "must be in [0, 1)")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValidationError("num_blocks", "must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValidationError("num_kv_blocks", "must be >= 1")
 
 
-DEFAULT_CPU_KV_BYTES = 4 * 1024**3
+@dataclass
+class LoraConfig:
+    max_loras: int = setting(4, help="adapters resident on the device at once, and distinct adapters per "
+                                     "step (0: LoRA off)")
+    max_lora_rank: int = setting(16, help="the rank every adapter slot is padded to; larger adapters are refused")
+    max_cpu_loras: int = setting(16, help="adapters kept loaded in host memory")
+    lora_backend: str = setting("auto", help="SGMV kernels: triton, cpu, torch or auto")
+    max_slot_wait_steps: int = setting(32, help="steps a request may be passed over while it waits for an "
+                                                "adapter slot")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 0 or self.max_slot_wait_steps < 0:
+            raise ValidationError("max_loras", "max_loras and max_slot_wait_steps must be >= 0")
+        if self.max_lora_rank < 1 or self.max_cpu_loras < 0:
+            raise ValidationError("max_lora_rank", "max_lora_rank must be >= 1 and max_cpu_loras >= 0")
 
 
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` and `loragw serve` accept, flattened."""
+    """Everything `LLM(...)`, `loragw serve` and `loragw worker` accept."""
 
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU
-    device: str = "auto"
-    attention_backend: str = "auto"  # "torch", "triton" or "auto"
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 128
-    max_model_len: int | None = None  # None: the model's own limit
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.9
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    premium_reserved_fraction: float = 0.0
-    enable_tiers: bool = True
-    premium_prefill_alone: bool = True
-    max_standard_prefill_tokens: int | None = None
-    num_threads: int | None = None  # torch intra-op threads on the CPU
-    # LoRA: adapters resident in device slots at once (0 turns LoRA off), the
-    # rank every slot is padded to, adapters kept loaded on the host, the SGMV
-    # backend ("torch", "triton" or "auto"), and where the registry lives
-    # (None: $LORAGW_DATA_DIR or the user data dir).
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 16
-    lora_backend: str = "auto"
-    max_slot_wait_steps: int = 32
-    data_dir: str | None = None
+    model: str | None = setting(None, help="local HF-format Llama checkpoint; default: bundled SmolLM2-135M-Instruct")
+    dtype: str = setting("auto", choices=_DTYPES, help="weights and KV dtype; auto: float32 on the CPU, "
+                                                       "bfloat16 on a GPU")
+    device: str = setting("auto", help="cpu, cuda, cuda:N or auto")
+    attention_backend: str = setting("auto", help="torch, triton or auto")
+    num_threads: int | None = setting(None, help="torch intra-op threads of the engine on the CPU; unset: torch's "
+                                                 "default (`loragw serve`: one per core but one, for the event loop)")
+    # The adapter registry; $LORAGW_DATA_DIR is read where the registry opens.
+    data_dir: str | None = setting(None, flag=None, help="None: $LORAGW_DATA_DIR or the user data dir")
+    scheduler: SchedulerConfig = section(SchedulerConfig, title="scheduler")
+    cache: CacheConfig = section(CacheConfig, title="KV cache")
+    lora: LoraConfig = section(LoraConfig, title="LoRA")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValidationError("dtype", f"must be one of {_DTYPES}")
-        if self.max_lora_rank < 1 or self.max_cpu_loras < 0:
-            raise ValidationError("max_lora_rank", "max_lora_rank must be >= 1 and max_cpu_loras >= 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValidationError("num_threads", "must be >= 1 (None: torch's default)")
 
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
-            kv_cache_fraction=self.kv_cache_fraction,
-            num_blocks=self.num_kv_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            premium_reserved_fraction=self.premium_reserved_fraction,
-        )
+    @classmethod
+    def from_flat(cls, **kwargs) -> EngineConfig:
+        """`from_flat(max_num_seqs=8, num_kv_blocks=64, max_loras=2)`: each
+        name goes to the section that declares it (the `LLM(...)` style)."""
+        owners = flat_names()
+        sections: dict[str, dict] = {name: {} for name in set(owners.values()) if name}
+        top = {}
+        for name, value in kwargs.items():
+            if name not in owners:
+                close = difflib.get_close_matches(name, owners, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{name!r} is not an engine setting{hint}")
+            (sections[owners[name]] if owners[name] else top)[name] = value
+        hints = typing.get_type_hints(cls)
+        return cls(**top, **{name: hints[name](**values) for name, values in sections.items()})
 
-    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
-        max_len = min(self.max_model_len or model_max_len, model_max_len)
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_len,
-            enable_tiers=self.enable_tiers,
-            premium_prefill_alone=self.premium_prefill_alone,
-            max_standard_prefill_tokens=self.max_standard_prefill_tokens,
-            max_loras=self.max_loras,
-            max_slot_wait_steps=self.max_slot_wait_steps,
-        )
+    def to_flat(self) -> dict:
+        """Every setting by its flat name, as `from_flat` takes them."""
+        flat = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flat.update(dataclasses.asdict(value) if is_section(f) else {f.name: value})
+        return flat
+
+    def premium_reserved_blocks(self, num_blocks: int) -> int:
+        """KV blocks only premium may allocate: none with tiers off."""
+        if not self.scheduler.enable_tiers:
+            return 0
+        return int(num_blocks * self.cache.premium_reserved_fraction)
+
+
+def flat_names() -> dict[str, str | None]:
+    """Each flat setting name -> its section (None: a top-level field).
+    A name declared in two places would make `from_flat` ambiguous."""
+    owners: dict[str, str | None] = {}
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        names = [g.name for g in dataclasses.fields(hints[f.name])] if is_section(f) else [f.name]
+        for name in names:
+            if name in owners:
+                raise TypeError(f"engine setting {name!r} is declared twice")
+            owners[name] = f.name if is_section(f) else None
+    return owners

@@ -21,7 +21,9 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        self.config = EngineConfig(model=model, **engine_args)
+        """`engine_args`: any EngineConfig setting by its own name, whatever
+        its section (`LLM(max_num_seqs=8, num_kv_blocks=64, max_loras=2)`)."""
+        self.config = EngineConfig.from_flat(model=model, **engine_args)
         self.engine = build_llm_engine(self.config)
 
     @property

@@ -59,11 +59,13 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 adapters: AdapterSlotPolicy | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterSlotPolicy):
+        if config.max_model_len is None:
+            raise ValidationError("max_model_len", "the scheduler needs a concrete limit (the builder "
+                                                   "resolves None to the model's)")
         self.config = config
         self.kv = kv
-        self.adapters = adapters or AdapterSlotPolicy(config.max_loras, config.max_slot_wait_steps)
+        self.adapters = adapters
         self.block_size = kv.block_size
         self.waiting: dict[Tier, deque[Request]] = {Tier.PREMIUM: deque(), Tier.STANDARD: deque()}
         self.running: list[Request] = []  # kept sorted by _priority

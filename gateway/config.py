@@ -1,18 +1,22 @@
-"""Gateway configuration: what `loragw serve` takes as flags or LORAGW_* env."""
+"""Gateway configuration: what `loragw serve` takes as flags or LORAGW_*
+variables. The flags are generated from these fields (engine/config_flags.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from billing.pricing import PriceBook
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config_flags import section, setting
 from gateway.slo import SloConfig
 
 # Shorter tokens are refused at start: the admin token guards every tenant,
 # key and adapter, and /metrics. 32 random hex characters are 128 bits, too
 # many to guess online.
 MIN_ADMIN_TOKEN_CHARS = 32
+ROUTING_POLICIES = ("affinity", "round-robin")
 
 
 class ConfigError(ValueError):
@@ -29,71 +33,152 @@ class TierLimits:
     cache times `kv_overcommit`, so the queue never holds much more work than
     the cache can start on."""
 
-    max_waiting: int = 64
-    max_queued_tokens: int | None = None
-    kv_overcommit: float = 2.0
-    # Refuse a request the queue would hold longer than this before its first
-    # token, judged from the tier's recent rate of first tokens. None: no bound.
-    max_queue_wait_s: float | None = None
+    max_waiting: int = setting(64, help="requests of this tier queued before 429")
+    max_queued_tokens: int | None = setting(
+        None, help="prompt tokens this tier's queue may hold before 429; default: its KV share times kv-overcommit")
+    kv_overcommit: float = setting(2.0, help="queued prompt tokens per token of this tier's KV share")
+    # Judged from the tier's recent rate of first tokens.
+    max_queue_wait_s: float | None = setting(
+        None, zero_is_none=True,
+        help="seconds a request of this tier may expect to queue before its first token, else 429 (0: no bound)")
+
+
+@dataclass(frozen=True)
+class WorkerPoolConfig:
+    """The engine workers behind this gateway: local processes it starts and
+    supervises, and workers that run elsewhere and are attached by address."""
+
+    workers: int = setting(1, help="local engine worker processes to start and supervise")
+    worker_devices: str | None = setting(
+        None, help="comma-separated devices, one per local worker (e.g. cuda:0,cuda:1); default: auto")
+    worker_endpoints: tuple[str, ...] = setting(
+        (), flag="--worker", help="attach a worker that runs elsewhere, e.g. tcp://10.0.0.5:7100 (repeatable)")
+    # The shared secret the gateway presents to a non-loopback worker. Never
+    # on argv: the CLI reads it from --worker-secret-file or $LORAGW_WORKER_SECRET.
+    worker_secret: str | None = setting(None, flag=None, repr=False, help="the workers' shared secret")
+    heartbeat_timeout_s: float = setting(10.0, flag="--worker-heartbeat-timeout",
+                                         help="seconds without a heartbeat before a worker is treated as dead")
+    restart_backoff_s: float = setting(1.0, flag="--worker-restart-backoff",
+                                       help="seconds before a dead local worker's first restart")
+    restart_backoff_max_s: float = setting(30.0, flag="--worker-restart-backoff-max",
+                                           help="the longest wait between restarts of a worker that keeps dying")
+    # Round-robin is the baseline that routing tests and benchmarks compare against.
+    routing: str = setting("affinity", choices=ROUTING_POLICIES,
+                           help="how a request picks its worker: affinity (adapter residency, prefix, KV "
+                                "headroom, queue depth) or round-robin")
+
+    def __post_init__(self):
+        if self.workers < 0 or self.workers + len(self.worker_endpoints) < 1:
+            raise ConfigError("need at least one worker: --workers N (local) or --worker ENDPOINT")
+        devices = self.worker_devices.split(",") if self.worker_devices else []
+        if devices and len(devices) != self.workers:
+            raise ConfigError(f"--worker-devices names {len(devices)} devices for {self.workers} local workers")
+        if not 0 < self.restart_backoff_s <= self.restart_backoff_max_s or self.heartbeat_timeout_s <= 0:
+            raise ConfigError("need 0 < --worker-restart-backoff <= --worker-restart-backoff-max and a "
+                              "positive --worker-heartbeat-timeout")
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"routing must be one of {ROUTING_POLICIES}")
+
+
+def engine_threads_beside_the_server() -> int:
+    """Intra-op threads for an engine that shares the machine with the HTTP
+    server. The event loop needs a core of its own: when it preempts one of
+    torch's threads, every parallel op waits at its barrier for that thread
+    (measured on 2 cores: a step ran ~8x slower with 2 threads than with 1
+    while another process was busy)."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def serving_engine_config(*, beside_the_server: bool) -> EngineConfig:
+    """The engine defaults of `loragw serve` (beside the server) and
+    `loragw worker`: the one place where serving differs from `LLM()`.
+
+    Offline, every request is standard by default, so a premium reserve
+    would only shrink the cache and a standard prefill cap would only slow
+    the batch. Serving mixes tiers: 20% of the KV cache stays free for
+    premium, and standard prefill is capped at 256 tokens a step so that a
+    premium arrival waits out a short step (benchmarks/tiers.py; on a CPU
+    step time grows with every token, on a GPU raise the cap)."""
+    return EngineConfig(
+        num_threads=engine_threads_beside_the_server() if beside_the_server else None,
+        scheduler=SchedulerConfig(max_standard_prefill_tokens=256),
+        cache=CacheConfig(premium_reserved_fraction=0.2))
 
 
 @dataclass
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    db_url: str | None = None  # None: SQLite in the data directory
-    admin_token: str | None = None  # None: the admin API answers 401 to everyone
-    # None: /metrics only on the public port, behind the admin token. A port
-    # (0: any free one): a second listener on metrics_host serving /metrics
-    # alone, without auth, for Prometheus.
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    # The `demo` tenant on an empty database: always for the embedded SQLite
-    # (no db_url), otherwise only when asked for.
-    demo_tenant: bool = False
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    served_model_name: str | None = None  # None: the checkpoint directory's name
-    # Tiers off means plain FCFS: no premium reserve, no tier ordering, no
-    # admission limits (the baseline of benchmarks/tiers.py).
-    enable_tiers: bool = True
-    premium: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64))
-    standard: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=64, max_queue_wait_s=10.0))
-    drain_timeout_s: float = 30.0
-    # A stream's longest life, from its first byte; then it is aborted and
-    # ends with an error event. Ten minutes is the OpenAI Python client's own
-    # default timeout, and time for a max-length answer at a few tokens per
-    # second under load; it bounds how long a stalled reader holds a sequence
-    # slot and its undelivered output. None: no deadline.
-    max_stream_seconds: float | None = 600.0
-    max_upload_bytes: int = 256 * 1024 * 1024  # POST /admin/adapters, the one route with a larger body limit
-    # Bounds at the edge (docs/gateway.md, "Limits"). A body over
-    # `max_request_bytes` is refused with 413 while it is read, never
-    # buffered; a request head (request line and headers) over
-    # `max_header_bytes` gets 431 from the HTTP parser.
-    max_request_bytes: int = 4 * 1024 * 1024
-    max_header_bytes: int = 64 * 1024
-    # Worker threads that parse, template and tokenize /v1 requests, so the
-    # event loop never does; more requests than this wait their turn.
-    prepare_threads: int = 4
-    data_dir: Path | None = None  # None: $LORAGW_DATA_DIR or the user data dir
-    prices: PriceBook = field(default_factory=PriceBook)  # per tier, applied to usage exports
-    # Metrics label bounds: the first N adapters / tenants seen get a series
-    # of their own, the rest share "other" (docs/observability.md).
-    metrics_adapter_labels: int = 16
-    metrics_tenant_labels: int = 32
-    slo: SloConfig = field(default_factory=SloConfig)
-    # The auth cache (gateway/auth_cache.py): a key's principal and the
-    # adapter grants are reused this long, so revocation, tenant deletion and
-    # limit changes take effect within auth_cache_ttl_s; while the database
-    # is down, recently used entries serve auth_cache_stale_s longer.
-    auth_cache_ttl_s: float = 5.0
-    auth_cache_stale_s: float = 60.0
-    auth_cache_max_entries: int = 10_000
+    host: str = setting("127.0.0.1", help="interface to listen on")
+    port: int = setting(8000, help="port to listen on")
+    db_url: str | None = setting(
+        None, flag="--db", help="SQLAlchemy URL (sqlite+aiosqlite:///... or postgresql+asyncpg://...); default: "
+                                "loragw.db in the data directory ($LORAGW_DATA_DIR)")
+    admin_token: str | None = setting(
+        None, help="bearer token of the /admin API and /metrics, 32+ characters (visible in ps: prefer "
+                   "--admin-token-file or the env variable); unset: /admin refuses everyone")
+    # A second listener serves /metrics alone, without auth, for Prometheus.
+    metrics_port: int | None = setting(
+        None, help="serve /metrics without auth on this port (on --metrics-host; 0: any free port), for "
+                   "Prometheus; unset: /metrics only on --port, behind the admin token")
+    metrics_host: str = setting("127.0.0.1", help="interface of the --metrics-port listener")
+    # The embedded SQLite (no db_url) always gets the demo tenant.
+    demo_tenant: bool = setting(False, help="create the 'demo' tenant on an empty --db too (always done for the "
+                                            "default SQLite database)")
+    # The engine section's flags, tiers (`--no-tiers`) included, are the engine's own.
+    engine: EngineConfig = section(lambda: serving_engine_config(beside_the_server=True), title="engine")
+    served_model_name: str | None = setting(
+        None, help="the base model's id in the API; default: the checkpoint directory's name")
+    premium: TierLimits = section(lambda: TierLimits(max_waiting=64), prefix="premium-", title="premium tier")
+    standard: TierLimits = section(lambda: TierLimits(max_waiting=64, max_queue_wait_s=10.0),
+                                   prefix="standard-", title="standard tier")
+    drain_timeout_s: float = setting(30.0, help="seconds in-flight requests get after SIGTERM")
+    # Ten minutes is the OpenAI Python client's own default timeout, and time
+    # for a max-length answer at a few tokens per second under load; it
+    # bounds how long a stalled reader holds a sequence slot and its
+    # undelivered output.
+    max_stream_seconds: float | None = setting(
+        600.0, zero_is_none=True, help="a streamed response's longest life; past it the request is aborted and "
+                                       "the stream ends with an error event (0: no limit)")
+    # Bounds at the edge (docs/gateway.md, "Limits"): a body over the limit
+    # is refused while it is read, never buffered.
+    max_upload_bytes: int = setting(256 * 1024 * 1024, help="largest adapter upload (POST /admin/adapters)")
+    max_request_bytes: int = setting(
+        4 * 1024 * 1024, help="largest request body; more is refused with 413 while it is read (adapter uploads: "
+                              "--max-upload-bytes)")
+    max_header_bytes: int = setting(64 * 1024, help="largest request line plus headers; more is refused with 431")
+    # More requests than this wait their turn; the event loop never tokenizes.
+    prepare_threads: int = setting(4, help="worker threads that parse, template and tokenize requests off the "
+                                           "event loop")
+    data_dir: Path | None = setting(None, flag=None, help="None: $LORAGW_DATA_DIR or the user data dir")
+    prices: PriceBook = setting(default_factory=PriceBook, flag=None, help="per tier, applied to usage exports "
+                                                                           "(the --price flags)")
+    # The first N adapters / tenants seen get a series of their own, the rest
+    # share "other" (docs/observability.md).
+    metrics_adapter_labels: int = setting(16, help="adapters with their own metrics series; more: 'other'")
+    metrics_tenant_labels: int = setting(32, help="tenants with their own metrics series; more: 'other'")
+    slo: SloConfig = section(SloConfig, prefix="slo-", title="TTFT SLO and its page")
+    # The auth cache (gateway/auth_cache.py): revocation, tenant deletion and
+    # limit changes take effect within the TTL.
+    auth_cache_ttl_s: float = setting(
+        5.0, help="seconds an API key's tenant and the adapter grants are reused before the database is asked "
+                  "again: the bound on how late a revocation or limit change takes effect (0: ask every time)")
+    auth_cache_stale_s: float = setting(
+        60.0, help="while the database is unavailable, seconds past the TTL that recently used keys keep working")
+    auth_cache_max_entries: int = setting(
+        10_000, flag="--auth-cache-size",
+        help="most keys (and, apart, adapter grants) held in the auth cache; least recently used go first")
+    worker_pool: WorkerPoolConfig = section(WorkerPoolConfig, title="engine workers")
 
     def __post_init__(self):
         if self.admin_token is not None and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS:
             raise ConfigError(f"the admin token has {len(self.admin_token)} characters; it needs at least "
                               f"{MIN_ADMIN_TOKEN_CHARS} (e.g. `openssl rand -hex 32`)")
+
+    @property
+    def enable_tiers(self) -> bool:
+        """Tiers off (`--no-tiers`) means plain FCFS: no premium reserve, no
+        tier ordering, no admission limits (the baseline of
+        benchmarks/tiers.py). The engine's setting is the one switch."""
+        return self.engine.scheduler.enable_tiers
 
     @property
     def creates_demo_tenant(self) -> bool:
@@ -110,3 +195,17 @@ class GatewayConfig:
         path = self.resolved_data_dir() / "loragw.db"
         path.parent.mkdir(parents=True, exist_ok=True)
         return f"sqlite+aiosqlite:///{path}"
+
+
+def secret_from(value: str | None, path: str | None, *, what: str, sources: str) -> str | None:
+    """A secret given as `value` (a flag or a variable) or as the first line
+    of the file at `path`, not both; `sources` names them for the error."""
+    if not path:
+        return value or None
+    if value:
+        raise ConfigError(f"give the {what} once: {sources}")
+    with open(path, encoding="utf-8") as file:
+        secret = file.readline().strip()
+    if not secret:
+        raise ConfigError(f"the {what} file {path} is empty")
+    return secret

@@ -33,6 +33,7 @@ from typing import Callable
 
 import httpx
 
+from engine.config_flags import setting
 from gateway.lifecycle import RequestObserver, RequestRecord
 from gateway.tenancy import Tier
 
@@ -49,18 +50,20 @@ _DELIVERY_ATTEMPTS = 3
 
 @dataclass(frozen=True)
 class SloConfig:
-    ttft_slo_s: float = 0.5
-    ttft_alert_s: float = 0.4
-    objective: float = 0.99
-    fast_window_s: float = 300.0
-    slow_window_s: float = 3600.0
-    burn_rate: float = 1.0
-    min_samples: int = 20
-    min_hold_s: float = 60.0
-    eval_interval_s: float = 5.0
-    paged_tiers: tuple[Tier, ...] = (Tier.PREMIUM,)
-    webhook_urls: tuple[str, ...] = ()
-    external_url: str = ""  # this gateway's address, for the payload's generatorURL
+    ttft_slo_s: float = setting(0.5, flag="--slo-ttft", help="TTFT SLO in seconds (p99 of premium)")
+    ttft_alert_s: float = setting(0.4, help="page when premium's TTFT p99 passes this (seconds)")
+    objective: float = setting(0.99, help="share of requests that must see their first token within the SLO")
+    fast_window_s: float = setting(300.0, help="SLO burn-rate fast window, seconds")
+    slow_window_s: float = setting(3600.0, help="SLO burn-rate slow window, seconds")
+    burn_rate: float = setting(1.0, help="page when both windows burn the budget this fast")
+    min_samples: int = setting(20, help="requests in the fast window before it can page")
+    min_hold_s: float = setting(60.0, help="seconds an alert stays firing/resolved at least")
+    eval_interval_s: float = setting(5.0, help="seconds between evaluations of the windows")
+    paged_tiers: tuple[Tier, ...] = setting((Tier.PREMIUM,), flag=None, help="the tiers whose TTFT can page")
+    webhook_urls: tuple[str, ...] = setting((), flag="--alert-webhook-url",
+                                            help="Alertmanager-style webhook receivers, comma-separated")
+    # This gateway's address, for the payload's generatorURL; the CLI derives it from --host and --port.
+    external_url: str = setting("", flag=None, help="this gateway's address")
 
     def __post_init__(self):
         if not 0 < self.objective < 1:

@@ -22,7 +22,7 @@ def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], gran
     to both tiers."""
     db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, tenants, grants)
-    engine = EngineConfig(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
+    engine = EngineConfig.from_flat(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
                                      standard=tier_limits, premium=tier_limits))
     steps = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from engine.adapter_slots import AdapterSlotPolicy
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, Tier
@@ -21,10 +22,9 @@ def make_scheduler(num_blocks=64, block_size=4, *, budget=64, max_seqs=16, reser
     mixed-tier states in one step; tests of that rule turn it on."""
     kv = KVCacheManager(num_blocks, block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=prefix_caching)
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          max_model_len=max_model_len, enable_tiers=tiers, max_loras=max_loras,
-                          max_slot_wait_steps=max_slot_wait_steps, premium_prefill_alone=premium_prefill_alone)
-    return Scheduler(cfg, kv, adapter_policy)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len,
+                          enable_tiers=tiers, premium_prefill_alone=premium_prefill_alone)
+    return Scheduler(cfg, kv, adapter_policy or AdapterSlotPolicy(max_loras, max_slot_wait_steps))
 
 
 _arrivals = itertools.count()

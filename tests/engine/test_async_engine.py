@@ -17,7 +17,7 @@ from engine.errors import EngineDeadError, ValidationError
 
 @pytest.fixture
 def engine(tiny_llama_dir):
-    eng = AsyncEngine(build_llm_engine(EngineConfig(model=str(tiny_llama_dir))))
+    eng = AsyncEngine(build_llm_engine(EngineConfig.from_flat(model=str(tiny_llama_dir))))
     yield eng
     eng.shutdown()
 

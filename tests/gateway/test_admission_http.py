@@ -22,8 +22,8 @@ def live(tiny_llama_dir, tmp_path_factory):
     keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "crowd": Tier.STANDARD})
     # Two seats: the flood's first two hold them, the next three wait for a
     # first token (the standard queue's limit), the rest must be refused.
-    engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512,
-                          premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512,
+                                    premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
                                      standard=TierLimits(max_waiting=3), premium=TierLimits(max_waiting=8)))
     server = start_live_server(gw)

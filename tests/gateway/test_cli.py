@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
 from gateway.cli import _add_serve_parser, _serve_config, main
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import ConfigError, GatewayConfig, TierLimits
 
 TOKEN = "t" * 32
 
@@ -17,6 +18,62 @@ def _serve_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     _add_serve_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["serve", *argv])
+
+
+def _field(config, dotted: str):
+    for name in dotted.split("."):
+        config = getattr(config, name)
+    return config
+
+
+def test_every_flag_defaults_to_its_field_and_no_flag_is_declared_twice():
+    """A parser default is the dataclass's value, never a copy of its own."""
+    serve = _add_serve_parser(argparse.ArgumentParser().add_subparsers(dest="command"), environ={})
+    defaults = GatewayConfig()
+    generated = [a for a in serve._actions if "." in a.dest or hasattr(defaults, a.dest)]
+    assert len(generated) > 60
+    for action in generated:
+        assert action.default == _field(defaults, action.dest), action.option_strings
+    options = [o for a in serve._actions for o in a.option_strings]
+    assert len(options) == len(set(options))
+
+
+def test_serve_with_no_flags_behaves_as_before(monkeypatch):
+    """The values `loragw serve` ran with before its flags were generated,
+    written out: the serving tier policy differs from the offline engine's."""
+    for name in [k for k in os.environ if k.startswith("LORAGW_")]:
+        monkeypatch.delenv(name)
+    config = _serve_config(_serve_args([]))
+    engine = config.engine
+    assert engine.cache.premium_reserved_fraction == 0.2
+    assert engine.scheduler.max_standard_prefill_tokens == 256
+    assert engine.num_threads == max(1, (os.cpu_count() or 1) - 1)
+    assert engine.scheduler.enable_tiers and config.enable_tiers and engine.scheduler.premium_prefill_alone
+    assert (engine.model, engine.dtype, engine.scheduler.max_model_len) == (None, "auto", None)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (128, 1024)
+    assert (engine.cache.kv_cache_memory, engine.cache.num_kv_blocks, engine.cache.block_size) == (None, None, 16)
+    assert (engine.lora.max_loras, engine.lora.max_lora_rank) == (4, 16)
+    assert config.premium == TierLimits(max_waiting=64, max_queued_tokens=None, kv_overcommit=2.0,
+                                        max_queue_wait_s=None)
+    assert config.standard == TierLimits(max_waiting=64, max_queued_tokens=None, kv_overcommit=2.0,
+                                         max_queue_wait_s=10.0)
+    assert (config.host, config.port, config.db_url, config.admin_token) == ("127.0.0.1", 8000, None, None)
+    assert (config.drain_timeout_s, config.max_stream_seconds) == (30.0, 600.0)
+    assert (config.slo.ttft_slo_s, config.slo.ttft_alert_s, config.slo.webhook_urls) == (0.5, 0.4, ())
+    assert config.slo.external_url == "http://127.0.0.1:8000"
+    assert config.worker_pool.workers == 1 and config.worker_pool.worker_endpoints == ()
+
+
+def test_engine_flags_reach_their_sections(monkeypatch):
+    monkeypatch.setenv("LORAGW_NO_PREFIX_CACHING", "1")
+    monkeypatch.setenv("LORAGW_STANDARD_PREFILL_TOKENS", "0")
+    config = _serve_config(_serve_args(["--max-num-seqs", "8", "--num-kv-blocks", "64", "--max-loras", "2",
+                                        "--num-threads", "3", "--max-model-len", "512"]))
+    engine = config.engine
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_model_len, engine.num_threads) == (8, 512, 3)
+    assert (engine.cache.num_kv_blocks, engine.cache.enable_prefix_caching) == (64, False)
+    assert engine.lora.max_loras == 2
+    assert engine.scheduler.max_standard_prefill_tokens is None  # 0: no cap
 
 
 def test_serve_flags_default_to_their_env_variables(monkeypatch):
@@ -28,9 +85,9 @@ def test_serve_flags_default_to_their_env_variables(monkeypatch):
     assert config.port == 9000  # a flag beats its variable
     assert config.host == "127.0.0.1"
     assert config.admin_token == "from-env-" + TOKEN
-    assert config.engine.premium_reserved_fraction == 0.3
+    assert config.engine.cache.premium_reserved_fraction == 0.3
     assert config.standard.max_waiting == 7 and config.drain_timeout_s == 5.0
-    assert config.enable_tiers and config.engine.enable_tiers
+    assert config.enable_tiers and config.engine.scheduler.enable_tiers
     assert config.max_stream_seconds == GatewayConfig.max_stream_seconds == 600.0
 
 
@@ -53,10 +110,11 @@ def test_edge_limit_flags_take_their_defaults_from_the_config(monkeypatch):
 
 
 def test_no_tiers_turns_off_the_premium_reserve(monkeypatch):
+    assert _serve_config(_serve_args([])).engine.premium_reserved_blocks(100) == 20
     monkeypatch.setenv("LORAGW_NO_TIERS", "1")
     config = _serve_config(_serve_args([]))
-    assert not config.enable_tiers and not config.engine.enable_tiers
-    assert config.engine.premium_reserved_fraction == 0.0
+    assert not config.enable_tiers and not config.engine.scheduler.enable_tiers
+    assert config.engine.premium_reserved_blocks(100) == 0
 
 
 def test_serve_reports_a_bad_model_path(tmp_path, capsys, monkeypatch):
@@ -133,3 +191,32 @@ def test_auth_cache_flags_default_to_the_config_and_their_env_variables(monkeypa
     monkeypatch.setenv("LORAGW_AUTH_CACHE_TTL", "2.5")
     config = _serve_config(_serve_args(["--auth-cache-stale", "0", "--auth-cache-size", "100"]))
     assert (config.auth_cache_ttl_s, config.auth_cache_stale_s, config.auth_cache_max_entries) == (2.5, 0.0, 100)
+
+
+def test_worker_pool_flags(monkeypatch, tmp_path):
+    monkeypatch.delenv("LORAGW_WORKER_SECRET", raising=False)
+    monkeypatch.setenv("LORAGW_WORKERS", "2")
+    config = _serve_config(_serve_args(["--worker-devices", "cuda:0,cuda:1", "--worker", "tcp://10.0.0.5:7100",
+                                        "--worker", "tcp://10.0.0.6:7100", "--routing", "round-robin",
+                                        "--worker-heartbeat-timeout", "3", "--worker-restart-backoff", "0.5",
+                                        "--worker-restart-backoff-max", "4"]))
+    pool = config.worker_pool
+    assert (pool.workers, pool.worker_devices, pool.routing) == (2, "cuda:0,cuda:1", "round-robin")
+    assert pool.worker_endpoints == ("tcp://10.0.0.5:7100", "tcp://10.0.0.6:7100")
+    assert (pool.heartbeat_timeout_s, pool.restart_backoff_s, pool.restart_backoff_max_s) == (3.0, 0.5, 4.0)
+    assert pool.worker_secret is None and "secret" not in repr(pool)
+    secret = tmp_path / "worker-secret"
+    secret.write_text("s3cret\n")
+    assert _serve_config(_serve_args(["--worker-secret-file", str(secret)])).worker_pool.worker_secret == "s3cret"
+    monkeypatch.setenv("LORAGW_WORKER_SECRET", "from-env")
+    assert _serve_config(_serve_args([])).worker_pool.worker_secret == "from-env"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "2", "--worker-devices", "cuda:0"], "1 devices for 2 local workers"),
+    (["--workers", "0"], "at least one worker"),
+    (["--worker-restart-backoff", "60"], "backoff"),
+])
+def test_worker_pool_flags_that_cannot_work_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _serve_config(_serve_args(argv))

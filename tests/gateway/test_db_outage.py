@@ -99,7 +99,7 @@ def test_db_outage_cached_tenants_keep_working_new_keys_get_503_never_500(db_url
                                                                            tiny_adapter_dir, tmp_path):
     keys = seed_tenants(db_url, {"warm": Tier.STANDARD, "cold": Tier.STANDARD}, grants=[(ADAPTER, "warm", False)])
     with outage_for(db_url) as outage:
-        engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=4, data_dir=str(tmp_path / "data"))
+        engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=4, data_dir=str(tmp_path / "data"))
         gw = build_in_process_gateway(GatewayConfig(db_url=outage.gateway_url, engine=engine, data_dir=tmp_path / "data",
                                          admin_token=ADMIN_TOKEN))
         clock = ManualClock()

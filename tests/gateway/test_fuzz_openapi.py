@@ -37,8 +37,8 @@ def fuzz_target(db_url, tiny_llama_dir, tmp_path):
     keys = seed_tenants(db_url, {"acme": Tier.STANDARD})
     # A short context keeps generated completions (max_tokens unset means
     # "the rest of the context") to a few milliseconds each.
-    engine = EngineConfig(model=str(tiny_llama_dir), max_model_len=128, max_num_seqs=8, num_kv_blocks=256,
-                          data_dir=str(tmp_path / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_model_len=128, max_num_seqs=8, num_kv_blocks=256,
+                                    data_dir=str(tmp_path / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
                                      data_dir=tmp_path / "data"))
     server = start_live_server(gw)

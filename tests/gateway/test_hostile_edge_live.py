@@ -31,7 +31,8 @@ def live(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live-edge")
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, {"flood": Tier.STANDARD, "calm": Tier.STANDARD})
-    engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=8, num_kv_blocks=256, data_dir=str(tmp / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=8, num_kv_blocks=256,
+                                    data_dir=str(tmp / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
     server = start_live_server(gw)
     server.keys = keys

@@ -158,8 +158,8 @@ def live(tiny_llama_dir, tmp_path_factory):
                                  "capped": (Tier.STANDARD, TenantLimits(requests_per_minute=1))})
     # One seat: a premium request arriving while a standard one runs takes
     # its seat, which preempts the standard one (the premium seat rule).
-    engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=1, num_kv_blocks=256,
-                          premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=1, num_kv_blocks=256,
+                                    premium_reserved_fraction=0.2, data_dir=str(tmp / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
                                      metrics_port=0, standard=TierLimits(max_waiting=8),
                                      premium=TierLimits(max_waiting=8)))

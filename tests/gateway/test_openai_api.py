@@ -51,8 +51,8 @@ def live(tiny_llama_dir, tiny_adapter_dir, tmp_path_factory):
         return keys
 
     keys = run_with_store(db_url, seed)
-    engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=16, num_kv_blocks=512,
-                          data_dir=str(tmp / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=16, num_kv_blocks=512,
+                                    data_dir=str(tmp / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
                                      data_dir=tmp / "data"))
     server = start_live_server(gw)

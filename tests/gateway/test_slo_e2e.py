@@ -29,14 +29,14 @@ def serve(tiny_llama_dir, tmp, receiver_url: str, *, tiers: bool):
     tmp.mkdir(parents=True, exist_ok=True)
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "crowd": Tier.STANDARD})
-    engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512, enable_tiers=tiers,
-                          premium_reserved_fraction=0.2 if tiers else 0.0, data_dir=str(tmp / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=2, num_kv_blocks=512, enable_tiers=tiers,
+                                    premium_reserved_fraction=0.2 if tiers else 0.0, data_dir=str(tmp / "data"))
     # Small numbers for a CPU and a tiny model: page when half the premium
     # requests in both windows take over 250 ms.
     slo = SloConfig(ttft_slo_s=0.3, ttft_alert_s=0.25, fast_window_s=30, slow_window_s=60, burn_rate=50,
                     min_samples=2, min_hold_s=0, eval_interval_s=0.2, webhook_urls=(receiver_url,))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data", admin_token=ADMIN_TOKEN,
-                                     enable_tiers=tiers, standard=TierLimits(max_waiting=16), slo=slo))
+                                     standard=TierLimits(max_waiting=16), slo=slo))
     server = start_live_server(gw)
     server.keys, server.model = keys, gw.served_model_name
     return server

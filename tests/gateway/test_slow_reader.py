@@ -51,8 +51,8 @@ def live(request, tiny_llama_dir, tmp_path):
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
     keys = seed_tenants(db_url, {"acme": Tier.PREMIUM})
     blocks = N * (MAX_TOKENS + 64) // 16 + 64
-    engine = EngineConfig(model=str(tiny_llama_dir), max_num_seqs=N, num_kv_blocks=blocks, num_threads=1,
-                          data_dir=str(tmp_path / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), max_num_seqs=N, num_kv_blocks=blocks, num_threads=1,
+                                    data_dir=str(tmp_path / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp_path / "data",
                                      **getattr(request, "param", {})))
     server = start_live_server(gw)

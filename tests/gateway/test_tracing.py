@@ -28,7 +28,7 @@ def live(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live-tracing")
     db_url = f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, {"vip": Tier.PREMIUM, "capped": (Tier.STANDARD, TenantLimits(requests_per_minute=1))})
-    engine = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, data_dir=str(tmp / "data"))
+    engine = EngineConfig.from_flat(model=str(tiny_llama_dir), num_kv_blocks=256, data_dir=str(tmp / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data"))
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
