@@ -97,20 +97,30 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
+def build_adapter_registry(config: EngineConfig, hf_config):
+    """The registry of adapters validated against this base model, in the
+    data directory; None with LoRA off. The gateway opens the same one as
+    its engines (it needs the model's config, not its weights)."""
+    if config.lora.max_loras == 0:
+        return None
+    from pathlib import Path
+
+    from adapters.registry import AdapterRegistry
+
+    return AdapterRegistry(Path(config.data_dir) / "adapters" if config.data_dir else None,
+                           base_config=hf_config, max_lora_rank=config.lora.max_lora_rank)
+
+
 def _build_lora(config: EngineConfig, loaded, dtype: torch.dtype, device: torch.device):
     """The adapter registry and the device-side LoRA runtime, or (None, None)."""
     lora_config = config.lora
     if lora_config.max_loras == 0:
         return None, None
-    from pathlib import Path
-
     from adapters.ops import get_lora_ops
-    from adapters.registry import AdapterRegistry
     from adapters.runtime import LoraRuntime
     from adapters.slots import LoraSlotManager
 
-    registry = AdapterRegistry(Path(config.data_dir) / "adapters" if config.data_dir else None,
-                               base_config=loaded.hf_config, max_lora_rank=lora_config.max_lora_rank)
+    registry = build_adapter_registry(config, loaded.hf_config)
     packed = loaded.model.packed_linears()
     ops = get_lora_ops(lora_config.lora_backend, device)
     slots = LoraSlotManager(packed, max_loras=lora_config.max_loras, max_lora_rank=lora_config.max_lora_rank,

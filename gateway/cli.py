@@ -1,7 +1,8 @@
 """The `loragw` command.
 
 `loragw serve` runs the HTTP gateway (OpenAI-compatible /v1, admin /admin)
-on an in-process engine; `loragw worker` runs one engine for a gateway.
+and the engine worker processes it supervises; `loragw worker` runs one
+engine for a gateway elsewhere (docs/architecture.md, "Workers").
 Their flags are generated from the config dataclasses
 (engine/config_flags.py), and every flag has a LORAGW_* variable.
 """

@@ -92,7 +92,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from engine.worker import run_worker  # written beside this change
+    import zmq
 
-    return run_worker(config.engine, listen=config.listen, secret=config.secret,
-                      metrics_port=config.metrics_port, metrics_host=config.metrics_host)
+    from engine.worker import run_worker
+
+    try:
+        return run_worker(config.engine, listen=config.listen, secret=config.secret,
+                          metrics_port=config.metrics_port, metrics_host=config.metrics_host)
+    except (EngineError, zmq.ZMQError, OSError) as exc:  # no secret off loopback; the address is taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -71,12 +71,13 @@ class WorkerFleet(EngineClient):
 
     def _load_frontend(self) -> None:
         """The tokenizer and the adapter registry: the model's files, never its weights."""
+        from engine.builder import build_adapter_registry
         from engine.model.loader import load_hf_config, resolve_model_dir
 
         try:
             model_dir = resolve_model_dir(self.engine_config.model)
             prompts = PromptEncoder.from_model_dir(model_dir)
-            self._registry = _adapter_registry(self.engine_config, load_hf_config(model_dir))
+            self._registry = build_adapter_registry(self.engine_config, load_hf_config(model_dir))
             self._model_dir, self._prompts = model_dir, prompts
         except Exception as exc:  # noqa: BLE001 - reported through /ready and load_error
             log.exception("cannot load the tokenizer")
@@ -213,47 +214,24 @@ class WorkerFleet(EngineClient):
             conn.abort(request_id)
 
 
-def _adapter_registry(engine_config, hf_config):
-    if engine_config.max_loras == 0:
-        return None
-    from adapters.registry import AdapterRegistry
-
-    data_dir = engine_config.data_dir
-    return AdapterRegistry(Path(data_dir) / "adapters" if data_dir else None, base_config=hf_config,
-                           max_lora_rank=engine_config.max_lora_rank)
-
-
 def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] = time.monotonic) -> WorkerFleet:
-    """The fleet `loragw serve` runs: `config.workers.workers` local worker
-    processes (supervised), plus every `--worker` endpoint, routed by
-    `config.workers.routing`."""
+    """The fleet `loragw serve` runs: `--workers` local worker processes
+    (supervised; `--num-threads` is per worker), plus every `--worker`
+    endpoint, routed by `--routing`."""
     from gateway.router import RoutingConfig, make_router
     from gateway.workers.supervisor import LocalWorkers
 
-    pool = config.workers
+    pool = config.worker_pool
     endpoints: dict[str, str] = {}
     supervisor = None
     if pool.workers > 0:
-        devices = pool.devices()
-        supervisor = LocalWorkers(local_engine_config(config.engine, pool.workers), pool.workers, devices=devices,
-                                  backoff_s=pool.restart_backoff_s, backoff_max_s=pool.restart_backoff_max_s,
-                                  secret=pool.secret, log_level=log_level)
+        devices = pool.worker_devices.split(",") if pool.worker_devices else None
+        supervisor = LocalWorkers(config.engine, pool.workers, devices=devices, backoff_s=pool.restart_backoff_s,
+                                  backoff_max_s=pool.restart_backoff_max_s, secret=pool.worker_secret,
+                                  log_level=log_level)
         endpoints.update(supervisor.endpoints)
     for i, endpoint in enumerate(pool.worker_endpoints):
         endpoints[f"remote-{i}"] = endpoint
     router = make_router(RoutingConfig(policy=pool.routing), clock)
-    return WorkerFleet(config.engine, endpoints, router=router, secret=pool.secret,
+    return WorkerFleet(config.engine, endpoints, router=router, secret=pool.worker_secret,
                        heartbeat_timeout_s=pool.heartbeat_timeout_s, supervisor=supervisor, clock=clock)
-
-
-def local_engine_config(engine_config, count: int):
-    """Split the CPU's cores among local workers: each gets its share of
-    the cores but one, which the gateway's event loop keeps (see
-    gateway.cli.engine_threads_beside_the_server)."""
-    import dataclasses
-    import os
-
-    if engine_config.num_threads is not None:
-        return engine_config
-    share = max(1, ((os.cpu_count() or 1) - 1) // count)
-    return dataclasses.replace(engine_config, num_threads=share)
