@@ -71,6 +71,7 @@ class WorkerConnection:
         self.snapshot: EngineSnapshot | None = None
         self.problem: str | None = None  # why it is failed, refused or down
         self.sessions = 0  # sessions opened, so a test can tell a restart happened
+        self.ever_ready = False  # a worker still loading for the first time is starting, not down
         self.in_flight: dict[str, OutputMailbox] = {}
         self._codec = Codec()
         self._socket: zmq.asyncio.Socket | None = None
@@ -191,6 +192,7 @@ class WorkerConnection:
         self.info, self.snapshot = status.worker, status.snapshot or self.snapshot
         if status.worker is not None:
             self.state, self.problem = WorkerState.READY, None
+            self.ever_ready = True
         elif status.load_error is not None:
             self.state, self.problem = WorkerState.FAILED, status.load_error
         else:

@@ -113,12 +113,13 @@ class WorkerFleet(EngineClient):
 
     def health(self) -> FleetHealth:
         workers = {worker_id: conn.describe() for worker_id, conn in self.workers.items()}
-        up = sum(c.ready for c in self.workers.values())
-        starting = all(c.state in (WorkerState.CONNECTING, WorkerState.LOADING) and c.sessions == 0
-                       for c in self.workers.values())
-        if up == len(self.workers) or (up == 0 and starting):
+        # Down: lost, failed or refused, or not ready again since it was.
+        # A worker loading its model for the first time is starting.
+        down = [c for c in self.workers.values() if not c.ready and (
+            c.ever_ready or c.state not in (WorkerState.CONNECTING, WorkerState.LOADING))]
+        if not down:
             status = Health.OK
-        elif up > 0:
+        elif any(c.ready for c in self.workers.values()):
             status = Health.DEGRADED
         else:
             status = Health.UNAVAILABLE
