@@ -37,6 +37,7 @@ from engine.wire import (PROTOCOL_VERSION, Abort, AddRequest, Codec, Fatal, Hell
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 3
+FAULT_AFTER_STEPS_ENV = "LORAGW_WORKER_FAULT_AFTER_STEPS"
 _OUTBOX = "inproc://loragw-worker-outbox"
 _ABORT_ALL = object()  # a command: a new gateway session took over
 
@@ -98,6 +99,9 @@ class _EngineLoop:
     def _serve(self, engine, outbox, codec: Codec) -> None:
         usage = []
         engine.usage_sinks.append(usage.append)
+        # Test-only (tests/gateway/workers/test_faults.py): a step that raises
+        # after this many steps, as a broken kernel would.
+        fault_after = int(os.environ.get(FAULT_AFTER_STEPS_ENV) or 0) or None
         while True:
             outputs, rejected = [], []
             if not self._apply_commands(engine, outputs, rejected, block=not engine.has_unfinished()):
@@ -105,6 +109,8 @@ class _EngineLoop:
                 return
             if engine.has_unfinished():
                 try:
+                    if fault_after is not None and self._counter.steps >= fault_after:
+                        raise RuntimeError(f"{FAULT_AFTER_STEPS_ENV}={fault_after}: an injected fault")
                     outputs += engine.step()
                 except Exception as exc:  # noqa: BLE001 - the gateway must hear of it, then we exit
                     log.exception("engine step failed")

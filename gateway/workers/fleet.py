@@ -4,15 +4,17 @@ The gateway tokenizes and templates (it holds the tokenizer, not the
 weights) and keeps the adapter registry; each request goes to the worker the
 router ranks first (gateway/router/). If that worker is lost before the
 request delivered any output, the request is sent once more, to the next
-worker in the ranking; one that already streamed ends with `WorkerLost`,
-which the stream turns into an error event. Admission and /metrics read the
-workers' latest snapshots: the fleet's capacity is the sum of the workers
-that are up.
+worker in the ranking; one that already streamed ends as an engine failure
+ends it, with an output that carries the error: the stream turns it into an
+error event and the ledger records finish reason "error". Admission and
+/metrics read the workers' latest snapshots: the fleet's capacity is the sum
+of the workers that are up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -177,19 +179,26 @@ class WorkerFleet(EngineClient):
                 failed.add(conn.worker_id)
                 continue
             self._placed[request.request_id] = conn
-            delivered = False
+            delivered: RequestOutput | None = None  # the last output it yielded
             try:
                 while True:
                     item = await mailbox.get()
-                    if isinstance(item, WorkerLost) and not delivered and not failed:
+                    if isinstance(item, WorkerLost) and delivered is None and not failed:
                         log.warning("request %s: %s; sending it to another worker", request.request_id, item)
                         failed.add(conn.worker_id)
                         self.retried += 1
                         break
+                    if isinstance(item, WorkerLost) and delivered is not None:
+                        # Ended as an engine failure ends its requests, with a
+                        # last output that carries the error: the stream's error
+                        # event and the ledger's finish reason ("error") follow.
+                        finished = True
+                        yield dataclasses.replace(delivered, outputs=[], finished=True, error=str(item))
+                        return
                     if isinstance(item, BaseException):
                         finished = True
                         raise item
-                    delivered, finished = True, item.finished
+                    delivered, finished = item, item.finished
                     yield item
                     if finished:
                         return
