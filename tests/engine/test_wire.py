@@ -181,7 +181,7 @@ def worker(tiny_llama_dir, tmp_path_factory):
     """One worker process with a shared secret, on a Unix socket; yields its endpoint."""
     tmp = tmp_path_factory.mktemp("wire-worker")
     endpoint = f"ipc://{tmp}/worker.sock"
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, num_threads=1, max_loras=0)
+    config = EngineConfig.from_flat(model=str(tiny_llama_dir), num_kv_blocks=64, num_threads=1, max_loras=0)
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.worker", "--listen", endpoint, "--config-json",
          msgspec.json.encode(config).decode(), "--log-level", "warning"],

@@ -13,7 +13,7 @@ from billing.records import ADAPTER_LOAD, RECOMPUTE, REQUEST
 from gateway.tenancy import Tier
 from tests.billing.live_helpers import ledger_records, request_id_of
 from tests.gateway.live import wait_for
-from tests.gateway.workers.conftest import start_fleet_server
+from tests.gateway.workers.live_fleet import start_fleet_server
 
 PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(24 + i)] for i in range(12)]
 LONG = 500  # tokens: the standard requests still run when premium arrives

@@ -105,7 +105,7 @@ def _assert_ended_with_error(result, worker_id: str) -> None:
 
 def test_sigkill_mid_stream_errors_the_streams_retries_the_queued_restarts_and_bills_once(
         tiny_llama_dir, tmp_path, db_url):
-    server = start_fleet_server(tmp_path, tiny_llama_dir, db_url=db_url, max_num_seqs=2, num_kv_blocks=512)
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", db_url=db_url, max_num_seqs=2, num_kv_blocks=512)
     fleet, sup = server.fleet, server.supervisor
     victim = fleet.workers["0"]
     try:
@@ -165,7 +165,7 @@ def test_a_worker_that_stops_heartbeating_is_lost_within_the_timeout_and_comes_b
     heartbeat can tell. Once resumed it answers the connection's next Hello:
     a new session, which aborts what the old one left running there."""
     timeout_s = 2.0
-    server = start_fleet_server(tmp_path, tiny_llama_dir, heartbeat_timeout_s=timeout_s, max_num_seqs=1,
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", heartbeat_timeout_s=timeout_s, max_num_seqs=1,
                                 num_kv_blocks=512)
     fleet, sup = server.fleet, server.supervisor
     victim = fleet.workers["0"]
@@ -214,7 +214,7 @@ def test_an_engine_failure_in_a_worker_errors_its_streams_and_the_worker_exits_3
         tiny_llama_dir, tmp_path, monkeypatch):
     fault_after = 300  # steps: both streams below have streamed by then, and the request after has not
     monkeypatch.setenv(FAULT_AFTER_STEPS_ENV, str(fault_after))  # the workers inherit it
-    server = start_fleet_server(tmp_path, tiny_llama_dir, workers=1, num_kv_blocks=512)
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", workers=1, num_kv_blocks=512)
     fleet, sup = server.fleet, server.supervisor
     exits = []
     forward = sup.on_exit

@@ -48,7 +48,7 @@ def _kill(server, worker_id: str) -> None:
 
 def test_health_and_ready_say_ok_then_degraded_naming_the_dead_worker_then_unavailable(tiny_llama_dir, tmp_path):
     # Restarts wait ten minutes: the test sees the fleet as the kills left it.
-    server = start_fleet_server(tmp_path, tiny_llama_dir, backoff_s=600.0)
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", backoff_s=600.0)
     try:
         health, body, ready, ready_body = _probe(server.url)
         assert (health, body) == (200, {"status": "ok", "workers": {"0": "ready", "1": "ready"}})
@@ -120,7 +120,7 @@ def _sample_health(url: str) -> list[float]:
 
 
 def test_health_p99_stays_under_50ms_while_one_worker_runs_64_streams(tiny_llama_dir, tmp_path):
-    server = start_fleet_server(tmp_path, tiny_llama_dir, workers=1, num_kv_blocks=2048)
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", workers=1, num_kv_blocks=2048)
     gw, worker = server.live.gateway, server.fleet.workers["0"]
     body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 1500, "min_tokens": 1500,
             "temperature": 0.0, "stream": True}

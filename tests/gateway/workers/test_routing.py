@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from gateway.tenancy import Tier
-from tests.gateway.workers.conftest import LORAS, start_fleet_server
+from tests.gateway.workers.conftest import LORAS
+from tests.gateway.workers.live_fleet import start_fleet_server
 
 ROUNDS = 4
 ADAPTERS = [name for name, _ in LORAS]
