@@ -108,7 +108,6 @@ class Meter:
         self._payer: dict[str, tuple[str | None, Account]] = {}  # victim sequence -> who pays its recompute
         self._loads: list[AdapterLoadCharge] = []
         self._overhead_pending_us = 0
-        self.steps_seen = 0
         self.busy_total_us = 0  # every step's busy time, for conservation checks
         self.overhead_total_us = 0
 
@@ -167,7 +166,6 @@ class Meter:
             for p in step.preemptions:
                 if p.victim_id not in self._seq_group:
                     self._payer.pop(p.victim_id, None)
-            self.steps_seen += 1
 
     def _payer_of(self, caused_by: str | None) -> tuple[str | None, Account]:
         if caused_by is not None:

@@ -142,6 +142,16 @@ class EngineClient(abc.ABC):
         """`sink(StepUsage)` is called after every step of every engine, in
         each engine's step order, before that step's outputs are delivered."""
 
+    @abc.abstractmethod
+    def step_mark(self, request_id: str) -> object:
+        """Where the engine that ran `request_id` is now; see `stepped_since`."""
+
+    @abc.abstractmethod
+    def stepped_since(self, mark: object) -> bool:
+        """True once that engine completed a step after `mark` was taken, or
+        can step no more (it was lost). Billing settles an aborted request
+        then: the step it may have been part of was reported by that time."""
+
     # ---- derived from the above ------------------------------------------------
 
     def stats(self) -> EngineSnapshot:
@@ -281,3 +291,10 @@ class InProcessEngineClient(EngineClient):
             self._engine.engine.usage_sinks.append(sink)
         else:
             self._sinks.append(sink)
+
+    def step_mark(self, request_id: str) -> object:
+        return self._engine.snapshot.steps if self.ready else None
+
+    def stepped_since(self, mark: object) -> bool:
+        # The snapshot is taken after the step's usage went to the sinks.
+        return mark is None or not self.ready or self._engine.snapshot.steps > mark

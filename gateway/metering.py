@@ -4,9 +4,11 @@ admission, and every ended request becomes ledger records via the spool.
 `UsageObserver` is a `RequestObserver`. A request that finished (stop,
 length) is settled at once: its last step's usage reached the meter before
 its last output reached us. One that was aborted, errored or whose client
-left may still be inside the engine's running step, so it is settled after
-the next step completes (or after `settle_timeout_s` with no step: the
-engine is idle), and that step is billed to it too.
+left may still be inside its engine's running step, so it is settled after that
+engine completes its next step (or after `settle_timeout_s` with no step:
+the engine is idle), and that step is billed to it too. With several
+workers, it is the step of the worker that ran it that counts
+(`EngineClient.step_mark`), not any worker's.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ class UsageObserver(RequestObserver):
             return
         self._waiting[record.request_id] = record
         loop = asyncio.get_running_loop()
-        mark, deadline = self.meter.steps_seen, loop.time() + self.settle_timeout_s
+        engine = self.gw.engine
+        mark, deadline = engine.step_mark(record.request_id), loop.time() + self.settle_timeout_s
 
         def check() -> None:
             if record.request_id not in self._waiting:
                 return  # settled by stop()
-            if self.meter.steps_seen > mark or loop.time() >= deadline:
+            if engine.stepped_since(mark) or loop.time() >= deadline:
                 self._settle(self._waiting.pop(record.request_id))
             else:
                 loop.call_later(self.poll_s, check)

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -31,6 +32,8 @@ from gateway.router import NoWorkerAvailable, RouteRequest, RoutingPolicy, Worke
 from gateway.workers.connection import WorkerConnection, WorkerLost, WorkerState
 
 log = logging.getLogger(__name__)
+
+_SERVED_BY_ENTRIES = 65536
 
 
 class WorkerFleet(EngineClient):
@@ -55,6 +58,9 @@ class WorkerFleet(EngineClient):
             for worker_id, endpoint in endpoints.items()}
         self._sinks: list = []
         self._placed: dict[str, WorkerConnection] = {}  # request id -> the worker serving it now
+        # request id -> the worker that served it last, for billing's step_mark
+        # (asked after the request ended); bounded, oldest first out.
+        self._served_by: OrderedDict[str, WorkerConnection] = OrderedDict()
         self._prompts: PromptEncoder | None = None
         self._registry = None
         self._model_dir: Path | None = None
@@ -179,6 +185,7 @@ class WorkerFleet(EngineClient):
                 failed.add(conn.worker_id)
                 continue
             self._placed[request.request_id] = conn
+            self._remember(request.request_id, conn)
             delivered: RequestOutput | None = None  # the last output it yielded
             try:
                 while True:
@@ -222,6 +229,27 @@ class WorkerFleet(EngineClient):
         conn = self._placed.get(request_id)
         if conn is not None:
             conn.abort(request_id)
+
+    def _remember(self, request_id: str, conn: WorkerConnection) -> None:
+        self._served_by[request_id] = conn
+        self._served_by.move_to_end(request_id)
+        while len(self._served_by) > _SERVED_BY_ENTRIES:
+            self._served_by.popitem(last=False)
+
+    def step_mark(self, request_id: str) -> object:
+        conn = self._served_by.pop(request_id, None)
+        if conn is None or not conn.ready or conn.snapshot is None:
+            return None
+        return conn, conn.sessions, conn.snapshot.steps
+
+    def stepped_since(self, mark: object) -> bool:
+        if mark is None:
+            return True
+        conn, session, steps = mark
+        # A lost worker's steps are gone with it; a new session counts anew.
+        if not conn.ready or conn.sessions != session or conn.snapshot is None:
+            return True
+        return conn.snapshot.steps > steps
 
 
 def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] = time.monotonic) -> WorkerFleet:

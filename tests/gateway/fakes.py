@@ -66,6 +66,12 @@ class FakeEngineClient(EngineClient):
     def add_usage_sink(self, sink) -> None:
         pass  # no engine, so no steps to report
 
+    def step_mark(self, request_id: str) -> object:
+        return None
+
+    def stepped_since(self, mark: object) -> bool:
+        return True
+
     def snapshots(self) -> dict[str, EngineSnapshot]:
         return {"0": self.engine_stats}
 

@@ -39,9 +39,9 @@ def build_in_process_gateway(config: GatewayConfig) -> Gateway:
     return build_gateway(config, engine=InProcessEngineClient(config.engine))
 
 
-def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0) -> LiveServer:
+def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0, wait_ready: bool = True) -> LiveServer:
     """Serve `gateway` on a free port (port 0: the OS picks) and wait until
-    /ready answers 200."""
+    /ready answers 200 (unless not `wait_ready`)."""
     gateway.config.host, gateway.config.port = "127.0.0.1", 0
     server = make_server(gateway, log_level="warning")
     thread = threading.Thread(target=server.run, name="live-uvicorn", daemon=True)
@@ -55,7 +55,7 @@ def start_live_server(gateway: Gateway, *, ready_timeout_s: float = 120.0) -> Li
     live = LiveServer(gateway, server, thread, f"http://127.0.0.1:{port}")
     if server.metrics is not None:
         live.metrics_url = f"http://{gateway.config.metrics_host}:{server.metrics.port}"
-    while httpx.get(f"{live.url}/ready").status_code != 200:
+    while wait_ready and httpx.get(f"{live.url}/ready").status_code != 200:
         if time.monotonic() > deadline:
             live.stop()
             raise RuntimeError(f"the model did not load: {gateway.engine.load_error}")
