@@ -104,8 +104,9 @@ class StepOutputs(msgspec.Struct, tag="step", frozen=True):
 
 
 class Fatal(msgspec.Struct, tag="fatal", frozen=True):
-    """The engine's step loop failed; every request on it has ended with an
-    error output and the worker process exits."""
+    """The worker stops serving: its step loop failed (every request on it
+    has ended with an error output) or it is shutting down; the process
+    exits."""
 
     error: str
 

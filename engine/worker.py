@@ -105,6 +105,9 @@ class _EngineLoop:
         while True:
             outputs, rejected = [], []
             if not self._apply_commands(engine, outputs, rejected, block=not engine.has_unfinished()):
+                # The gateway hears of it at once, not after a heartbeat
+                # timeout: what has delivered nothing yet moves to another worker.
+                outbox.send(codec.encode(Fatal("the worker is shutting down")))
                 engine.fail_all("the worker is shutting down")
                 return
             if engine.has_unfinished():

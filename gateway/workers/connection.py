@@ -181,7 +181,7 @@ class WorkerConnection:
         elif isinstance(message, Refused):
             return self._refused(message.reason)
         elif isinstance(message, Fatal):
-            self.problem = f"engine failed: {message.error}"
+            self.problem = f"the worker stopped: {message.error}"
             self._lost.set()
         return True
 
