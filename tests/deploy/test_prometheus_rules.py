@@ -47,7 +47,9 @@ def test_the_dashboard_queries_only_exported_series():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs
     names = {n for e in exprs for n in re.findall(r"\b(?:loragw:|tier:|tenant:)[a-z0-9_:]+", e)}
-    metrics = (Path(__file__).resolve().parents[2] / "gateway" / "metrics.py").read_text()
+    root = Path(__file__).resolve().parents[2]
+    # The gateway's own series, and the engine series it exports per worker.
+    metrics = "".join((root / path).read_text() for path in ("gateway/metrics.py", "engine/snapshot_metrics.py"))
     recorded = (DEPLOY / "prometheus" / "recording_rules.yml").read_text()
     for name in names:
         base = re.sub(r"_(bucket|count|sum|total)$", "", name)

@@ -1,12 +1,15 @@
-"""Billing settles an aborted request after a step of the worker that ran
-it, never after another worker's (gateway/metering.py): the fleet's step
-marks, on connections whose state is set by hand."""
+"""What the fleet derives from its workers' state, on connections whose
+state is set by hand: the capacity admission judges (the fleet's, not one
+engine's), health, and the step marks billing settles aborted requests by
+(a step of the worker that ran the request, never another worker's)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
+from engine.request import Tier
+from gateway.engine_client import Health, KVCapacity
 from gateway.router import RoutingConfig, make_router
 from gateway.workers.connection import WorkerState
 from gateway.workers.fleet import WorkerFleet
@@ -59,3 +62,17 @@ def test_the_memory_of_where_requests_ran_is_bounded(monkeypatch):
     for i in range(5):
         fleet._remember(f"r{i}", fleet.workers["0"])
     assert list(fleet._served_by) == ["r2", "r3", "r4"]
+
+
+def test_admission_judges_the_capacity_of_the_workers_that_are_up():
+    fleet = fleet_with_two_ready_workers()
+    one = FakeEngineClient.engine_stats  # 256 blocks of 16 tokens, 64 reserved for premium
+    both = fleet.kv_capacity
+    assert both == KVCapacity(total_tokens=2 * 256 * 16, premium_reserved_tokens=2 * 64 * 16)
+    assert both.usable_tokens(Tier.STANDARD) == 2 * (256 - 64) * 16
+    assert fleet.stats().kv_num_blocks == 2 * one.kv_num_blocks
+    fleet.workers["1"].state = WorkerState.DOWN
+    assert fleet.kv_capacity == KVCapacity(total_tokens=256 * 16, premium_reserved_tokens=64 * 16)
+    assert fleet.health().status is Health.DEGRADED
+    fleet.workers["0"].state = WorkerState.DOWN
+    assert fleet.health().status is Health.UNAVAILABLE
