@@ -158,6 +158,8 @@ class AsyncEngine:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
+                # An abort frees blocks and an add queues work without a step.
+                self.snapshot = take_snapshot(self.engine, self._counter)
                 return True
 
     def _apply(self, cmd) -> None:

@@ -423,7 +423,7 @@ def test_every_response_has_a_request_id(live):
 
 
 def test_health_ready_and_openapi(live):
-    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok", "workers": {"0": "ready"}}
     assert httpx.get(f"{live.url}/ready").json()["status"] == "ready"
     doc = httpx.get(f"{live.url}/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
