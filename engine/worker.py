@@ -37,6 +37,8 @@ from engine.wire import (PROTOCOL_VERSION, Abort, AddRequest, Codec, Fatal, Hell
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 3
+EXIT_LOAD_FAILED = 4
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 FAULT_AFTER_STEPS_ENV = "LORAGW_WORKER_FAULT_AFTER_STEPS"
 _OUTBOX = "inproc://loragw-worker-outbox"
 _ABORT_ALL = object()  # a command: a new gateway session took over
@@ -71,6 +73,7 @@ class _EngineLoop:
     def run(self) -> None:
         codec = Codec()
         outbox = self.context.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)
         outbox.connect(_OUTBOX)
         try:
             engine = self._load()
@@ -116,10 +119,10 @@ class _EngineLoop:
                         raise RuntimeError(f"{FAULT_AFTER_STEPS_ENV}={fault_after}: an injected fault")
                     outputs += engine.step()
                 except Exception as exc:  # noqa: BLE001 - the gateway must hear of it, then we exit
+                    # Fatal alone: the gateway ends what has streamed and
+                    # moves what has not to another worker.
                     log.exception("engine step failed")
-                    failed = engine.fail_all(f"engine step failed: {exc!r}")
-                    outbox.send(codec.encode(StepOutputs(failed, None, None)))
-                    outbox.send(codec.encode(Fatal(f"{type(exc).__name__}: {exc}")))
+                    outbox.send(codec.encode(Fatal(f"engine step failed: {type(exc).__name__}: {exc}")))
                     self.failed.set()
                     return
             step_usage = usage.pop() if usage else None
@@ -192,9 +195,16 @@ class Worker:
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a ROUTER drops what passes it without a word,
+        # and a dropped final output would leave its request waiting forever.
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        # A peer need not be authenticated to send a frame: bound its size
+        # (a request is token ids and sampling settings, far below this).
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.router.bind(listen)
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbox = self.context.socket(zmq.PULL)
+        self.outbox.setsockopt(zmq.RCVHWM, 0)
         self.outbox.bind(_OUTBOX)
         self.engine = _EngineLoop(config, self.context)
         self.session: bytes | None = None
@@ -212,7 +222,7 @@ class Worker:
         poller.register(self.outbox, zmq.POLLIN)
         next_beat = 0.0
         try:
-            while not self._stop.is_set() and not self.engine.stopped.is_set():
+            while not self._stop.is_set() and not self._engine_done():
                 events = dict(poller.poll(timeout=int(self.heartbeat_s * 1000)))
                 if self.outbox in events:
                     self._forward_outbox()
@@ -228,13 +238,32 @@ class Worker:
                     next_beat = now + self.heartbeat_s
             self._forward_outbox()  # the Fatal, if the engine failed
         finally:
+            code = self._exit_code()
             self.engine.commands.put(None)
             thread.join(timeout=10)
+            if thread.is_alive():
+                # Still loading, or inside a step that will not end: nothing
+                # may wait on it (term() would, on its socket), and the
+                # process must not outlive its gateway holding a device.
+                log.error("the engine thread did not stop; exiting anyway")
+                logging.shutdown()
+                os._exit(code)
             self._forward_outbox()
             self.router.close(linger=500)
             self.outbox.close(linger=0)
             self.context.term()
-        return EXIT_ENGINE_FAILED if self.engine.failed.is_set() else 0
+        return code
+
+    def _engine_done(self) -> bool:
+        """The engine stopped serving. One whose model failed to load is not
+        done: the worker keeps answering with the error until it is stopped,
+        so the gateway can report it (and no supervisor restarts it in a loop)."""
+        return self.engine.stopped.is_set() and self.engine.load_error is None
+
+    def _exit_code(self) -> int:
+        if self.engine.failed.is_set():
+            return EXIT_ENGINE_FAILED
+        return EXIT_LOAD_FAILED if self.engine.load_error is not None else 0
 
     def _status(self) -> Status:
         e = self.engine
@@ -288,7 +317,8 @@ class Worker:
 
 def run_worker(config: EngineConfig, *, listen: str, secret: str | None = None, metrics_port: int | None = None,
                metrics_host: str = "127.0.0.1", heartbeat_s: float = 0.5, parent_pid: int | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0) or an engine failure (exit 3)."""
+    """Serve until SIGTERM/SIGINT (exit 0; 4 if the model never loaded) or
+    an engine failure (exit 3)."""
     worker = Worker(config, listen=listen, secret=secret, heartbeat_s=heartbeat_s, parent_pid=parent_pid)
     if metrics_port is not None:
         from engine.snapshot_metrics import serve_worker_metrics

@@ -78,6 +78,9 @@ class WorkerPoolConfig:
                               "positive --worker-heartbeat-timeout")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}")
+        for endpoint in self.worker_endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"--worker {endpoint}: a worker's address is tcp://HOST:PORT or ipc://PATH")
 
 
 def engine_threads_beside_the_server() -> int:

@@ -17,6 +17,8 @@ environment switch is "0"; callers get None here and fall back.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -104,13 +106,32 @@ def build(prefix: str, source: Path, what: str):
         name = f"{prefix}_{cache_key(source)}"
         # The folder that load() builds `name` in (TORCH_EXTENSIONS_DIR or
         # torch's default); the sources go beside the build.
-        staged = stage(source, Path(cpp_extension._get_build_directory(name, verbose=False)) / "src")
-        return cpp_extension.load(
-            name=name, sources=[str(staged)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        staged = stage(source, folder / "src")
+        with _exclusive(folder):
+            return cpp_extension.load(
+                name=name, sources=[str(staged)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch twin
         log.warning("%s unavailable (%s); using the torch path", what, exc)
         return None
+
+
+@contextlib.contextmanager
+def _exclusive(folder: Path):
+    """Hold the build folder against other processes of ours. torch's own
+    lock is a file that a build killed midway (a worker stopped while it
+    loads) leaves behind, and every later build of that kernel then waits
+    on it forever. An flock dies with its process: whoever holds ours knows
+    that no build is running, so a torch lock file still there is stale."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "loragw.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 class Kernel:

@@ -2,6 +2,7 @@
 `csrc/` folders that ship with the package, never in Python strings, and a
 cache name that follows their content."""
 
+import concurrent.futures
 import fnmatch
 import re
 import tomllib
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.ops import cpu_ops
 import native
+from adapters.ops import cpu_ops
 from engine.attention import cpu_decode
 from engine.model import cpu_linear
 
@@ -113,3 +114,26 @@ def test_a_second_checkout_stages_onto_the_first_ones_build(tmp_path, monkeypatc
     native.stage(second, build_dir)
     assert staged.read_text() == second.read_text()
     assert sorted(path.name for path in build_dir.iterdir()) == ["helpers.h", "kernel.cpp"]
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_one(tmp_path, monkeypatch):
+    """torch's build lock is a file; a build killed midway leaves it, and
+    torch would wait on it forever. Ours is an flock, gone with its process."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text('#include <torch/extension.h>\n'
+                      'int64_t one() { return 1; }\n'
+                      'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("one", &one); }\n')
+    from torch.utils import cpp_extension
+
+    name = f"loragw_test_stale_{native.cache_key(source)}"
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "lock").touch()  # what a SIGKILL during a build leaves
+    # On a thread, so that the old behaviour (waiting on the file forever)
+    # fails the test instead of hanging the suite.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    module = pool.submit(native.build, "loragw_test_stale", source, "test kernel").result(timeout=300)
+    pool.shutdown(wait=False)
+    assert module is not None and module.one() == 1
+    assert not (folder / "lock").exists()

@@ -129,9 +129,16 @@ class WorkerConnection:
     async def _run(self) -> None:
         while True:
             self._lost.clear()
-            self._open()
             try:
+                self._open()
                 redial = await self._serve_session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bad frame or sink must not end the dialling
+                log.exception("worker %s at %s: session failed", self.worker_id, self.endpoint)
+                self.problem = f"{type(exc).__name__}: {exc}"
+                self._set_down()
+                redial = _REFUSED_REDIAL_S
             finally:
                 self._close()
             await asyncio.sleep(redial)
@@ -139,8 +146,9 @@ class WorkerConnection:
     def _open(self) -> None:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
+        sock.setsockopt(zmq.RCVHWM, 0)  # never drop a worker's output: its request would wait forever
         self._socket = sock
+        sock.connect(self.endpoint)
         self._send(Hello(PROTOCOL_VERSION, self.session, self.secret))
 
     def _close(self) -> None:
@@ -189,7 +197,12 @@ class WorkerConnection:
         if self.state in (WorkerState.CONNECTING, WorkerState.DOWN):
             self.sessions += 1
             log.info("worker %s at %s: session open", self.worker_id, self.endpoint)
-        self.info, self.snapshot = status.worker, status.snapshot or self.snapshot
+        # After the first, snapshots come with their step's usage
+        # (StepOutputs): a heartbeat's may be a step ahead of the usage the
+        # meter has, and billing settles by the snapshot's step count.
+        self.info = status.worker
+        if self.snapshot is None:
+            self.snapshot = status.snapshot
         if status.worker is not None:
             self.state, self.problem = WorkerState.READY, None
             self.ever_ready = True

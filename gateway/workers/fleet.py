@@ -66,6 +66,7 @@ class WorkerFleet(EngineClient):
         self._model_dir: Path | None = None
         self._setup_error: str | None = None
         self.retried = 0  # requests sent to a second worker after the first was lost
+        self._stopping = False
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -92,6 +93,7 @@ class WorkerFleet(EngineClient):
             self._setup_error = f"{type(exc).__name__}: {exc}"
 
     async def shutdown(self) -> None:
+        self._stopping = True  # what the connections' stop ends is not sent elsewhere
         for conn in self.workers.values():
             await conn.stop()
         if self.supervisor is not None:
@@ -190,7 +192,7 @@ class WorkerFleet(EngineClient):
             try:
                 while True:
                     item = await mailbox.get()
-                    if isinstance(item, WorkerLost) and delivered is None and not failed:
+                    if isinstance(item, WorkerLost) and delivered is None and not failed and not self._stopping:
                         log.warning("request %s: %s; sending it to another worker", request.request_id, item)
                         failed.add(conn.worker_id)
                         self.retried += 1

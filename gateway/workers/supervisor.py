@@ -25,6 +25,8 @@ from typing import Callable
 
 import msgspec
 
+from engine.worker import EXIT_LOAD_FAILED
+
 log = logging.getLogger(__name__)
 
 _STABLE_S = 60.0
@@ -72,32 +74,41 @@ class LocalWorkers:
             self._tasks.append(asyncio.create_task(self._supervise(worker), name=f"supervise-{worker.worker_id}"))
 
     async def stop(self) -> None:
+        """SIGTERM every worker and wait for them together; SIGKILL those
+        still running after the grace period."""
         self._stopping = True
-        for proc in self._procs.values():
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self._procs.values():
-            try:
-                await asyncio.wait_for(proc.wait(), _STOP_GRACE_S)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
-        for task in self._tasks:
+        for task in self._tasks:  # no restart, no spawn from here on
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        procs = [p for p in self._procs.values() if p.returncode is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), _STOP_GRACE_S)
+        except asyncio.TimeoutError:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
 
     async def _supervise(self, worker: LocalWorker) -> None:
         delay = self.backoff_s
         while not self._stopping:
             started = self.clock()
-            proc = await self._spawn(worker)
-            self._procs[worker.worker_id] = proc
-            code = await proc.wait()
-            if self._stopping:
-                return
-            log.error("worker %s exited with code %s; restarting in %.1fs", worker.worker_id, code, delay)
-            self.on_exit(worker.worker_id, code)
-            self.restarts[worker.worker_id] += 1
+            try:
+                proc = await self._spawn(worker)
+            except OSError as exc:
+                log.error("worker %s could not be started (%s); retrying in %.1fs", worker.worker_id, exc, delay)
+            else:
+                self._procs[worker.worker_id] = proc
+                code = await proc.wait()
+                if self._stopping:
+                    return
+                log.error("worker %s exited with code %s; restarting in %.1fs", worker.worker_id, code, delay)
+                self.on_exit(worker.worker_id, code)
+                self.restarts[worker.worker_id] += 1
+                if code == EXIT_LOAD_FAILED:
+                    return  # its model cannot load: restarting would fail the same way
             if self.clock() - started >= _STABLE_S:
                 delay = self.backoff_s
             await asyncio.sleep(delay)

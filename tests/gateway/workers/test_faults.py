@@ -105,7 +105,8 @@ def _assert_ended_with_error(result, worker_id: str) -> None:
 
 def test_sigkill_mid_stream_errors_the_streams_retries_the_queued_restarts_and_bills_once(
         tiny_llama_dir, tmp_path, db_url):
-    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", db_url=db_url, max_num_seqs=2, num_kv_blocks=512)
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", db_url=db_url, max_num_seqs=2,
+                                num_kv_blocks=512)
     fleet, sup = server.fleet, server.supervisor
     victim = fleet.workers["0"]
     try:
@@ -165,8 +166,8 @@ def test_a_worker_that_stops_heartbeating_is_lost_within_the_timeout_and_comes_b
     heartbeat can tell. Once resumed it answers the connection's next Hello:
     a new session, which aborts what the old one left running there."""
     timeout_s = 2.0
-    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", heartbeat_timeout_s=timeout_s, max_num_seqs=1,
-                                num_kv_blocks=512)
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", heartbeat_timeout_s=timeout_s,
+                                max_num_seqs=1, num_kv_blocks=512)
     fleet, sup = server.fleet, server.supervisor
     victim = fleet.workers["0"]
     pid = sup.pid("0")
