@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from gateway.tenancy import TenantLimits, Tier
 from gateway.tracing import Tracing, TracingObserver
-from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server
+from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server, wait_for
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -96,6 +96,10 @@ def test_a_stream_without_traceparent_starts_its_own_trace(live):
 
 def test_a_429_is_recorded_on_the_admission_span(live):
     assert post(live, live.keys["capped"]).status_code == 200
+    # The server span ends just after the response is sent: clearing before
+    # it ends would let it land among the 429's spans (seen under load).
+    wait_for(lambda: any(s.name.startswith("text_completion ") for s in finished(live.exporter)), 10,
+             "the first request's span to end")
     live.exporter.clear()
     assert post(live, live.keys["capped"]).status_code == 429
     spans = {s.name: s for s in finished(live.exporter)}
