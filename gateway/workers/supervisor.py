@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -90,6 +91,7 @@ class LocalWorkers:
                 if proc.returncode is None:
                     proc.kill()
             await asyncio.gather(*(p.wait() for p in procs))
+        shutil.rmtree(self._dir, ignore_errors=True)  # the workers' socket files
 
     async def _supervise(self, worker: LocalWorker) -> None:
         delay = self.backoff_s
