@@ -57,9 +57,10 @@ class WorkerFleet(EngineClient):
                                         heartbeat_timeout_s=heartbeat_timeout_s, clock=clock)
             for worker_id, endpoint in endpoints.items()}
         self._sinks: list = []
-        self._placed: dict[str, WorkerConnection] = {}  # request id -> the worker serving it now
-        # request id -> the worker that served it last, for billing's step_mark
-        # (asked after the request ended); bounded, oldest first out.
+        # request id -> the worker serving it (the last one, after a retry):
+        # where an abort goes, and, after the request ended, billing's
+        # step_mark. Bounded, oldest first out; an entry for a request the
+        # worker no longer holds is harmless (its abort is a no-op there).
         self._served_by: OrderedDict[str, WorkerConnection] = OrderedDict()
         self._prompts: PromptEncoder | None = None
         self._registry = None
@@ -186,7 +187,6 @@ class WorkerFleet(EngineClient):
                     raise
                 failed.add(conn.worker_id)
                 continue
-            self._placed[request.request_id] = conn
             self._remember(request.request_id, conn)
             delivered: RequestOutput | None = None  # the last output it yielded
             try:
@@ -212,8 +212,6 @@ class WorkerFleet(EngineClient):
                     if finished:
                         return
             finally:
-                if self._placed.get(request.request_id) is conn:
-                    del self._placed[request.request_id]
                 if not finished and not failed & {conn.worker_id}:
                     conn.abort(request.request_id)
 
@@ -228,7 +226,7 @@ class WorkerFleet(EngineClient):
         return conn
 
     def abort(self, request_id: str) -> None:
-        conn = self._placed.get(request_id)
+        conn = self._served_by.get(request_id)
         if conn is not None:
             conn.abort(request_id)
 
@@ -239,7 +237,7 @@ class WorkerFleet(EngineClient):
             self._served_by.popitem(last=False)
 
     def step_mark(self, request_id: str) -> object:
-        conn = self._served_by.pop(request_id, None)
+        conn = self._served_by.get(request_id)
         if conn is None or not conn.ready or conn.snapshot is None:
             return None
         return conn, conn.sessions, conn.snapshot.steps
