@@ -7,8 +7,11 @@ its length (min_tokens = max_tokens, ignore_eos), greedy.
 
   offline   `LLM` in this process with `--threads` torch threads: every
             request submitted at once, run to the end.
-  serve-1   `loragw serve --workers 1 --num-threads T` (otherwise its
-            defaults) in a subprocess; the same requests as streaming
+  serve-1   `loragw serve --workers 1 --num-threads T` in a subprocess,
+            with its defaults but for admission, which is opened so that
+            all the requests are admitted at once (`--standard-max-waiting`
+            N+1, no queue-wait bound): this measures throughput, not 429s.
+            The same requests as streaming
             /v1/completions with token-id prompts, all sent at once. Output
             tok/s counts the completion tokens the clients received over
             the wall time from the first send to the last byte.
@@ -31,11 +34,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/throughput
 import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 
 import httpx
+import throughput
 from loadgen import GatewayProcess
 from machine import CpuMeter, load_average, machine_facts, write_json
 
@@ -44,24 +47,16 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def make_workload(num_requests: int, seed: int, tokenizer) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    vocab = [t for t in range(len(tokenizer)) if t not in special]
-    prompts = [[rng.choice(vocab) for _ in range(rng.randint(32, 256))] for _ in range(num_requests)]
-    lens = []
-    for _ in range(num_requests):
-        n = 1
-        while rng.random() >= 1 / 64 and n < 256:
-            n += 1
-        lens.append(n)
-    return prompts, lens
+    """throughput.py's workload, shorter: prompts 32..256, outputs mean 64 (cap 256)."""
+    w = throughput.make_workload(num_requests, seed, tokenizer, max_prompt=256, mean_output=64, max_output=256)
+    return w.prompts, w.output_lens
 
 
 def run_offline(prompts: list[list[int]], lens: list[int], threads: int) -> dict:
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(num_threads=threads)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lens]
+    params = [throughput.forced_params(n) for n in lens]
     llm.generate(prompts[:2], params[:2])  # warm up: kernels built, caches touched
     meter = CpuMeter.start()
     t0 = time.perf_counter()
