@@ -92,7 +92,8 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(EngineCore(scheduler, runner), loaded.tokenizer,
                        eos_token_ids=loaded.eos_token_ids,
                        max_model_len=scheduler.config.max_model_len,
-                       adapters=registry, lora_slots=lora.slots if lora else None)
+                       adapters=registry, lora_slots=lora.slots if lora else None,
+                       vocab_size=loaded.hf_config.vocab_size)
     engine.model_dir = loaded.model_dir
     return engine
 

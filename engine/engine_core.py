@@ -19,7 +19,7 @@ class EngineCore:
         self.last_schedule = sched
         if sched.is_empty and not sched.copies:
             if sched.finished_ids:
-                self.runner.sampler.drop(sched.finished_ids)
+                self.runner.drop(sched.finished_ids)
             return None
         runner_out = self.runner.execute(sched)
         return self.scheduler.update(sched, runner_out)

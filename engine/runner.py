@@ -18,6 +18,7 @@ from engine.step_io import CopyOp, RunnerOutput, ScheduledRequest, SchedulerOutp
 
 if TYPE_CHECKING:
     from adapters.runtime import LoraRuntime
+    from engine.structured.runtime import GrammarRuntime
 
 
 class ModelRunner:
@@ -41,11 +42,19 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.lora = lora
+        # Set by the engine when its first structured request arrives.
+        self.grammar: GrammarRuntime | None = None
+
+    def drop(self, finished_ids: list[str]) -> None:
+        """Forget the per-sequence state (generators, grammars) of ended sequences."""
+        self.sampler.drop(finished_ids)
+        if self.grammar is not None:
+            self.grammar.drop(finished_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         timer = _StepTimer(self.device)
-        self.sampler.drop(sched.finished_ids)
+        self.drop(sched.finished_ids)
         if sched.copies:
             self._copy_blocks(sched.copies)
         sampled = {}
@@ -65,7 +74,12 @@ class ModelRunner:
                 rows = torch.tensor([i for i, r in enumerate(reqs) if r.sample],
                                     dtype=torch.int64, device=self.device)
                 logits = self.model.compute_logits(hidden[last[rows]])
+                grammar = self.grammar if self.grammar is not None and len(self.grammar) else None
+                if grammar is not None:
+                    grammar.apply(logits, to_sample)
                 sampled = self.sampler.sample(logits, to_sample, self.eos_token_ids)
+                if grammar is not None:
+                    grammar.advance(to_sample, sampled)
         loads = self.lora.slots.take_loads() if self.lora else ()
         return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us(), adapter_loads=loads)
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ValidationError
+from engine.structured.spec import StructuredSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -21,7 +22,8 @@ class SamplingParams:
 
     A temperature below `SAMPLING_EPS` (0 included) means greedy. `top_k <= 0` disables top-k. `logprobs`
     is the number of top alternatives to return per token (0 returns only the
-    sampled token's logprob, None returns nothing).
+    sampled token's logprob, None returns nothing). `structured` constrains
+    the output to a grammar (engine/structured/).
     """
 
     n: int = 1
@@ -39,6 +41,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +82,8 @@ class SamplingParams:
             raise ValidationError("repetition_penalty", "must be > 0, got 0")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise ValidationError("structured", f"must be a StructuredSpec, got {type(self.structured).__name__}")
 
 
 def _int_in(name: str, value, lo: int | None, hi: int | None) -> None:

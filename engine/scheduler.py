@@ -77,6 +77,14 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        req.max_model_len = self.check_request(req)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting[self._tier(req)].append(req)
+
+    def check_request(self, req: Request) -> int:
+        """Raise ValidationError unless `req` could be added; its token limit
+        (prompt + output) if it can. Keeps no state."""
         if req.request_id in self.requests:
             raise ValidationError("request_id", f"duplicate request id {req.request_id!r}")
         if not req.prompt_token_ids:
@@ -93,10 +101,7 @@ class Scheduler:
                 f"the prompt has {req.num_prompt_tokens} tokens; this engine accepts at most "
                 f"{limit - 1} so that one token can be generated",
             )
-        req.max_model_len = limit
-        req.status = RequestStatus.WAITING
-        self.requests[req.request_id] = req
-        self.waiting[self._tier(req)].append(req)
+        return limit
 
     def abort(self, request_id: str) -> list[Request]:
         """End a request (and its forked children) in whatever state it is.
