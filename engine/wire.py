@@ -9,8 +9,8 @@ A session opens with `Hello` (the protocol version and, for a worker that
 listens beyond loopback, the shared secret); the worker answers `Status`, or
 `Refused` and ignores that peer. After that:
 
-  gateway -> worker   AddRequest (token ids, sampling, tier, adapter key,
-                      cache salt), Abort
+  gateway -> worker   AddRequest (token ids, sampling with any grammar
+                      spec, tier, adapter key, cache salt), Abort
   worker -> gateway   StepOutputs after every engine step: each changed
                       request's output as a delta, the step's usage for the
                       meter, and a fresh snapshot of the engine; Status as a
@@ -34,7 +34,8 @@ from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot
 from engine.step_io import StepUsage
 
-PROTOCOL_VERSION = 1
+# 2: SamplingParams gained `structured` (a grammar spec).
+PROTOCOL_VERSION = 2
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

@@ -26,6 +26,7 @@ from engine.request import Tier
 from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot
 from engine.step_io import AdapterLoad, Preemption, RequestStepUsage, StepUsage
+from engine.structured.spec import StructuredSpec
 from engine.wire import (PROTOCOL_VERSION, Abort, AddRequest, Codec, Fatal, Hello, ProtocolError, Refused,
                          Rejection, Status, StepOutputs, WorkerInfo, is_local_endpoint)
 from engine.worker import WorkerConfigError, check_listen
@@ -56,6 +57,8 @@ TO_WORKER = [
     AddRequest("r1", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, stop=["x"], logprobs=2),
                Tier.PREMIUM, LORA, "salt"),
     AddRequest("r2", [4], SamplingParams(), Tier.STANDARD, None, None),
+    AddRequest("r3", [4], SamplingParams(structured=StructuredSpec.json_schema({"type": "object"}, param="p")),
+               Tier.STANDARD, None, "salt"),
     Abort(["r1", "r2"]),
 ]
 TO_GATEWAY = [
