@@ -82,8 +82,14 @@ class SamplingParams:
             raise ValidationError("repetition_penalty", "must be > 0, got 0")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
-            raise ValidationError("structured", f"must be a StructuredSpec, got {type(self.structured).__name__}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValidationError("structured",
+                                      f"must be a StructuredSpec, got {type(self.structured).__name__}")
+            if self.min_tokens:
+                # A finished grammar allows only EOS, which min_tokens forbids:
+                # no token would be left to sample.
+                raise ValidationError("min_tokens", "cannot be combined with structured output")
 
 
 def _int_in(name: str, value, lo: int | None, hi: int | None) -> None:
