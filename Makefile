@@ -30,7 +30,7 @@ $(SERVE_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_STAMP): $(SERVE_STAMP) pyproject.toml
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,ray]'
 	touch $@
 
 bench: $(TEST_STAMP)

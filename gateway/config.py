@@ -66,9 +66,29 @@ class WorkerPoolConfig:
     routing: str = setting("affinity", choices=ROUTING_POLICIES,
                            help="how a request picks its worker: affinity (adapter residency, prefix, KV "
                                 "headroom, queue depth) or round-robin")
+    # Ray (gateway/workers/ray_pool.py): the cluster places, restarts and
+    # names the workers; the gateway scales them on queue depth.
+    ray_address: str | None = setting(
+        None, flag="--ray", help="run the workers on this Ray cluster (an address, or auto) instead of locally")
+    ray_min_workers: int = setting(1, help="Ray workers kept running however idle the fleet is")
+    ray_max_workers: int = setting(1, help="Ray workers the queue may grow the fleet to")
+    ray_gpus_per_worker: float = setting(1.0, help="GPUs Ray reserves per worker (0: CPU-only workers)")
+    ray_cpus_per_worker: float = setting(1.0, help="CPUs Ray reserves per worker")
+    scale_target_waiting: float = setting(
+        4.0, help="add a Ray worker when more requests than this wait per worker")
+    scale_down_after_s: float = setting(60.0, help="remove a Ray worker after the queue has been empty this long")
+    scale_cooldown_s: float = setting(30.0, help="seconds between two scaling decisions")
 
     def __post_init__(self):
-        if self.workers < 0 or self.workers + len(self.worker_endpoints) < 1:
+        if self.ray_address is not None:
+            if self.workers not in (0, 1) or self.worker_endpoints:
+                raise ConfigError("--ray runs every worker on the cluster: drop --workers and --worker")
+            if not self.worker_secret:
+                raise ConfigError("--ray needs --worker-secret-file (or LORAGW_WORKER_SECRET): Ray workers "
+                                  "listen on the network, and every gateway replica presents the same secret")
+            if not 0 <= self.ray_min_workers <= self.ray_max_workers or self.ray_max_workers < 1:
+                raise ConfigError("need 0 <= --ray-min-workers <= --ray-max-workers and --ray-max-workers >= 1")
+        elif self.workers < 0 or self.workers + len(self.worker_endpoints) < 1:
             raise ConfigError("need at least one worker: --workers N (local) or --worker ENDPOINT")
         devices = self.worker_devices.split(",") if self.worker_devices else []
         if devices and len(devices) != self.workers:

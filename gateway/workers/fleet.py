@@ -44,18 +44,19 @@ class WorkerFleet(EngineClient):
 
     def __init__(self, engine_config, endpoints: dict[str, str], *, router: RoutingPolicy,
                  secret: str | None = None, heartbeat_timeout_s: float = 10.0, supervisor=None,
-                 clock: Callable[[], float] = time.monotonic):
+                 discovery=None, clock: Callable[[], float] = time.monotonic):
         self.engine_config = engine_config
         self.router = router
         self.supervisor = supervisor
+        # Finds workers that come and go (gateway/workers/ray_pool.py): it
+        # calls sync_workers with the live ones after each look.
+        self.discovery = discovery
         self.clock = clock
         self._context = zmq.asyncio.Context()
-        session = uuid.uuid4().hex[:12]
-        self.workers = {
-            worker_id: WorkerConnection(worker_id, endpoint, context=self._context, session=session,
-                                        on_usage=self._on_usage, secret=secret,
-                                        heartbeat_timeout_s=heartbeat_timeout_s, clock=clock)
-            for worker_id, endpoint in endpoints.items()}
+        self._session = uuid.uuid4().hex[:12]
+        self._secret = secret
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self.workers = {worker_id: self._connection(worker_id, endpoint) for worker_id, endpoint in endpoints.items()}
         self._sinks: list = []
         # request id -> the worker serving it (the last one, after a retry):
         # where an abort goes, and, after the request ended, billing's
@@ -71,6 +72,11 @@ class WorkerFleet(EngineClient):
 
     # ---- lifecycle --------------------------------------------------------------
 
+    def _connection(self, worker_id: str, endpoint: str) -> WorkerConnection:
+        return WorkerConnection(worker_id, endpoint, context=self._context, session=self._session,
+                                on_usage=self._on_usage, secret=self._secret,
+                                heartbeat_timeout_s=self._heartbeat_timeout_s, clock=self.clock)
+
     async def start(self) -> None:
         if self.supervisor is not None:
             self.supervisor.on_exit = self.worker_exited
@@ -78,6 +84,31 @@ class WorkerFleet(EngineClient):
         for conn in self.workers.values():
             await conn.start()
         asyncio.get_running_loop().run_in_executor(None, self._load_frontend)
+        if self.discovery is not None:
+            self.discovery.on_endpoints = self.sync_workers
+            self.discovery.waiting = self._waiting_by_worker
+            await self.discovery.start()
+
+    async def sync_workers(self, endpoints: dict[str, str]) -> None:
+        """Make the fleet's workers exactly `endpoints`: connect to new ones,
+        drop those gone, and reconnect to one whose address changed (a
+        restarted Ray actor listens on a new port). Requests on a dropped
+        worker end as on any lost worker: retried if they delivered nothing."""
+        for worker_id, conn in list(self.workers.items()):
+            if endpoints.get(worker_id) != conn.endpoint:
+                log.info("worker %s left %s", worker_id, conn.endpoint)
+                del self.workers[worker_id]
+                conn.mark_lost("the worker left the fleet")
+                await conn.stop()
+                self.router.forget_worker(worker_id)
+        for worker_id, endpoint in endpoints.items():
+            if worker_id not in self.workers:
+                log.info("worker %s joined at %s", worker_id, endpoint)
+                conn = self.workers[worker_id] = self._connection(worker_id, endpoint)
+                await conn.start()
+
+    def _waiting_by_worker(self) -> dict[str, int]:
+        return {worker_id: sum(snap.num_waiting.values()) for worker_id, snap in self.snapshots().items()}
 
     def _load_frontend(self) -> None:
         """The tokenizer and the adapter registry: the model's files, never its weights."""
@@ -95,7 +126,9 @@ class WorkerFleet(EngineClient):
 
     async def shutdown(self) -> None:
         self._stopping = True  # what the connections' stop ends is not sent elsewhere
-        for conn in self.workers.values():
+        if self.discovery is not None:
+            await self.discovery.stop()
+        for conn in list(self.workers.values()):
             await conn.stop()
         if self.supervisor is not None:
             await self.supervisor.stop()
@@ -262,6 +295,11 @@ def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] =
     pool = config.worker_pool
     endpoints: dict[str, str] = {}
     supervisor = None
+    router = make_router(RoutingConfig(policy=pool.routing), clock)
+    if pool.ray_address is not None:
+        return WorkerFleet(config.engine, {}, router=router, secret=pool.worker_secret,
+                           heartbeat_timeout_s=pool.heartbeat_timeout_s, discovery=ray_workers(config, log_level),
+                           clock=clock)
     if pool.workers > 0:
         devices = pool.worker_devices.split(",") if pool.worker_devices else None
         supervisor = LocalWorkers(config.engine, pool.workers, devices=devices, backoff_s=pool.restart_backoff_s,
@@ -270,6 +308,18 @@ def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] =
         endpoints.update(supervisor.endpoints)
     for i, endpoint in enumerate(pool.worker_endpoints):
         endpoints[f"remote-{i}"] = endpoint
-    router = make_router(RoutingConfig(policy=pool.routing), clock)
     return WorkerFleet(config.engine, endpoints, router=router, secret=pool.worker_secret,
                        heartbeat_timeout_s=pool.heartbeat_timeout_s, supervisor=supervisor, clock=clock)
+
+
+def ray_workers(config, log_level: str = "warning"):
+    """The Ray pool `loragw serve --ray ADDRESS` runs."""
+    from gateway.workers.ray_pool import RayWorkers
+    from gateway.workers.scaling import ScalingPolicy
+
+    pool = config.worker_pool
+    policy = ScalingPolicy(min_workers=pool.ray_min_workers, max_workers=pool.ray_max_workers,
+                           target_waiting_per_worker=pool.scale_target_waiting,
+                           scale_down_after_s=pool.scale_down_after_s, cooldown_s=pool.scale_cooldown_s)
+    return RayWorkers(config.engine, address=pool.ray_address, policy=policy, num_gpus=pool.ray_gpus_per_worker,
+                      num_cpus=pool.ray_cpus_per_worker, secret=pool.worker_secret, log_level=log_level)
