@@ -28,7 +28,7 @@ from engine.adapter_slots import AdapterSlotPolicy, SlotVerdict
 from engine.config import SchedulerConfig
 from engine.errors import ValidationError
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus, Tier, fork_request_id
+from engine.request import AdapterKey, FinishReason, Request, RequestStatus, Tier, fork_request_id
 from engine.step_io import (
     CopyOp,
     Preemption,
@@ -124,6 +124,12 @@ class Scheduler:
     @property
     def num_waiting(self) -> dict[Tier, int]:
         return {tier: len(q) for tier, q in self.waiting.items()}
+
+    @property
+    def waiting_adapters(self) -> tuple[AdapterKey, ...]:
+        """The distinct adapters of the waiting requests, in queue order."""
+        keys = (req.adapter_key for q in self.waiting.values() for req in q if req.adapter_key is not None)
+        return tuple(dict.fromkeys(tuple(key) for key in keys))
 
     @property
     def num_running(self) -> dict[Tier, int]:

@@ -36,6 +36,8 @@ class EngineSnapshot:
     num_lora_slots: int = 0
     resident_adapters: tuple[tuple[str, int, str], ...] = ()
     host_adapters: tuple[tuple[str, int, str], ...] = ()
+    # The distinct adapters of the waiting requests, in queue order.
+    waiting_adapters: tuple[tuple[str, int, str], ...] = ()
     adapter_loads: int = 0  # host -> device slot loads, cumulative
     adapter_evictions: int = 0
     # Seconds of the most recent slot loads, oldest first; the last
@@ -88,6 +90,7 @@ def take_snapshot(llm_engine, counter: StepCounter | None = None) -> EngineSnaps
         num_lora_slots=slots.max_loras if slots else 0,
         resident_adapters=tuple(tuple(k) for k in slots.resident) if slots else (),
         host_adapters=tuple(tuple(k) for k in slots.host_resident) if slots else (),
+        waiting_adapters=sched.waiting_adapters,
         adapter_loads=slots.num_loads if slots else 0,
         adapter_evictions=slots.num_evictions if slots else 0,
         recent_adapter_load_seconds=tuple(slots.recent_load_seconds)[-_RECENT_LOADS:] if slots else (),
@@ -120,7 +123,7 @@ def combine_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         kv_used_by_tier=add("kv_used_by_tier"), block_size=snapshots[0].block_size,
         prefix_cache_queries=total("prefix_cache_queries"), prefix_cache_hits=total("prefix_cache_hits"),
         num_lora_slots=total("num_lora_slots"), resident_adapters=union("resident_adapters"),
-        host_adapters=union("host_adapters"), adapter_loads=total("adapter_loads"),
+        host_adapters=union("host_adapters"), waiting_adapters=union("waiting_adapters"), adapter_loads=total("adapter_loads"),
         adapter_evictions=total("adapter_evictions"),
         recent_adapter_load_seconds=tuple(s for snap in snapshots for s in snap.recent_adapter_load_seconds),
         steps=total("steps"), busy_time_us=total("busy_time_us"))

@@ -1,6 +1,8 @@
 """Prometheus series of engine snapshots, for the gateway's /metrics (one
 series per worker) and a worker's own /metrics (no worker label: a worker
-does not know the name its gateway gives it).
+does not know the name its gateway gives it). A worker's /metrics also
+speaks the inference extension's model-server protocol
+(engine/model_server_metrics.py).
 
 The names and meanings follow vLLM's under the `loragw:` prefix, so its
 dashboards carry over; docs/observability.md lists them.
@@ -118,6 +120,8 @@ def serve_worker_metrics(snapshot: Callable[[], EngineSnapshot | None], *, port:
     """A worker's own /metrics on `host:port`, on a daemon thread."""
     from prometheus_client import CollectorRegistry, start_http_server
 
+    from engine.model_server_metrics import ModelServerCollector
+
     registry = CollectorRegistry()
 
     def snapshots() -> dict[str, EngineSnapshot]:
@@ -125,4 +129,5 @@ def serve_worker_metrics(snapshot: Callable[[], EngineSnapshot | None], *, port:
         return {} if snap is None else {"self": snap}
 
     registry.register(SnapshotCollector(snapshots, label_workers=False))
+    registry.register(ModelServerCollector(snapshot))
     start_http_server(port, addr=host, registry=registry)

@@ -35,7 +35,8 @@ from engine.snapshot import EngineSnapshot
 from engine.step_io import StepUsage
 
 # 2: SamplingParams gained `structured` (a grammar spec).
-PROTOCOL_VERSION = 2
+# 3: EngineSnapshot gained `waiting_adapters`.
+PROTOCOL_VERSION = 3
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

@@ -37,8 +37,8 @@ SNAPSHOT = EngineSnapshot(
     num_preemptions={Tier.STANDARD: 2}, kv_num_blocks=64, kv_used_blocks=40, kv_free_blocks=24,
     kv_premium_reserved_blocks=8, kv_used_by_tier={Tier.PREMIUM: 6, Tier.STANDARD: 34}, block_size=16,
     prefix_cache_queries=900, prefix_cache_hits=320, num_lora_slots=2, resident_adapters=(LORA,),
-    host_adapters=(LORA, ("lora-b", 1, "aa")), adapter_loads=3, adapter_evictions=1,
-    recent_adapter_load_seconds=(0.25, 0.125), steps=41, busy_time_us=123456)
+    host_adapters=(LORA, ("lora-b", 1, "aa")), waiting_adapters=(("lora-c", 2, "bb"),), adapter_loads=3,
+    adapter_evictions=1, recent_adapter_load_seconds=(0.25, 0.125), steps=41, busy_time_us=123456)
 OUTPUTS = [
     RequestOutput("r1", None, [1, 2, 3], [CompletionOutput(
         0, "ab", [5, 6], logprobs=[TokenLogprob(5, -0.25, ((5, -0.25), (7, -1.5))), TokenLogprob(6, -0.5)])],
