@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from engine.step_io import RequestStepUsage, StepUsage
+from engine.step_io import RequestStepUsage, StepUsage, split_exact
 
 
 @dataclass(frozen=True)
@@ -80,21 +80,6 @@ class _Open:
     seq_ids: set[str] = field(default_factory=set)
     # (payer request id, payer account) -> recompute us of this request's tokens
     owed: dict[tuple[str | None, Account], int] = field(default_factory=dict)
-
-
-def split_exact(total: int, weights: list[int]) -> list[int]:
-    """`total` split in proportion to `weights`, in integers summing to
-    `total` exactly: floors first, then one more unit to the largest
-    remainders (earlier index wins a tie). All-zero weights split nothing."""
-    weight_sum = sum(weights)
-    if weight_sum <= 0:
-        return [0] * len(weights)
-    shares = [total * w // weight_sum for w in weights]
-    left = total - sum(shares)
-    by_remainder = sorted(range(len(weights)), key=lambda i: (-(total * weights[i] % weight_sum), i))
-    for i in by_remainder[:left]:
-        shares[i] += 1
-    return shares
 
 
 class Meter:

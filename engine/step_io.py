@@ -162,3 +162,20 @@ class RequestUpdate:
 class StepResult:
     updates: list[RequestUpdate]
     usage: StepUsage
+
+
+def split_exact(total: int, weights: list[int]) -> list[int]:
+    """`total` split in proportion to `weights`, in integers summing to
+    `total` exactly: floors first, then one more unit to the largest
+    remainders (earlier index wins a tie). All-zero weights split nothing.
+    The rule by which busy time is shared (billing's meter, and a worker
+    splitting a step between gateways)."""
+    weight_sum = sum(weights)
+    if weight_sum <= 0:
+        return [0] * len(weights)
+    shares = [total * w // weight_sum for w in weights]
+    left = total - sum(shares)
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(total * weights[i] % weight_sum), i))
+    for i in by_remainder[:left]:
+        shares[i] += 1
+    return shares

@@ -9,11 +9,16 @@ Three threads, each owning what it touches:
   StepOutputs (outputs, usage, snapshot) per step through an inproc socket;
 - torch's own threads, inside the step.
 
-One gateway session at a time: a valid Hello from a new peer takes over, and
-the old session's requests are aborted (a gateway that restarted must not be
-billed twice, and nobody else may read its outputs). If a step raises, the
-worker sends Fatal and exits non-zero: its supervisor restarts it with a
-fresh engine, as vLLM's engine core process does.
+Several gateways at once (the replicas behind a load balancer): each
+valid Hello opens a session, and each session sees only its own requests'
+outputs and its share of each step's usage (engine/usage_split.py), with
+every snapshot. A Hello that repeats a live session's id from a new socket
+is that gateway reconnecting: the new socket takes over and the old one's
+requests are aborted (they must not be billed twice, and nobody else may
+read their outputs). A gateway whose socket is gone (a heartbeat cannot be
+delivered) has its session closed and its requests aborted. If a step
+raises, the worker sends Fatal to every session and exits non-zero: its
+supervisor restarts it with a fresh engine, as vLLM's engine core does.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import queue
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import zmq
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, ValidationError
 from engine.snapshot import StepCounter, take_snapshot
+from engine.usage_split import split_usage
 from engine.wire import (PROTOCOL_VERSION, Abort, AddRequest, Codec, Fatal, Hello, ProtocolError, Refused,
                          Rejection, Status, StepOutputs, WorkerInfo, is_local_endpoint, version_mismatch)
 
@@ -41,7 +48,22 @@ EXIT_LOAD_FAILED = 4
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FAULT_AFTER_STEPS_ENV = "LORAGW_WORKER_FAULT_AFTER_STEPS"
 _OUTBOX = "inproc://loragw-worker-outbox"
-_ABORT_ALL = object()  # a command: a new gateway session took over
+_BROADCAST = b""  # the outbox's peer for a message to every session
+# Commands from the I/O thread to the engine thread, besides wire messages.
+_SESSION_OPEN = object()
+_SESSION_CLOSED = object()  # its requests are aborted
+
+
+class _Moved(NamedTuple):
+    """A command: a gateway reconnected from a new socket (`to`); its old
+    socket's requests are aborted, and the aborts reported on the new one."""
+
+    to: bytes
+
+
+class _Refusal(NamedTuple):
+    peer: bytes
+    rejection: Rejection
 
 
 class WorkerConfigError(EngineError):
@@ -68,7 +90,10 @@ class _EngineLoop:
         self.failed = threading.Event()
         self.stopped = threading.Event()
         self._counter = StepCounter()
-        self._live: set[str] = set()
+        # Live request id -> the session (peer identity) that sent it.
+        self._owner: dict[str, bytes] = {}
+        # Open sessions, oldest first: the first gets what no session owns.
+        self._peers: list[bytes] = []
 
     def run(self) -> None:
         codec = Codec()
@@ -110,7 +135,7 @@ class _EngineLoop:
             if not self._apply_commands(engine, outputs, rejected, block=not engine.has_unfinished()):
                 # The gateway hears of it at once, not after a heartbeat
                 # timeout: what has delivered nothing yet moves to another worker.
-                outbox.send(codec.encode(Fatal("the worker is shutting down")))
+                outbox.send_multipart([_BROADCAST, codec.encode(Fatal("the worker is shutting down"))])
                 engine.fail_all("the worker is shutting down")
                 return
             if engine.has_unfinished():
@@ -122,18 +147,35 @@ class _EngineLoop:
                     # Fatal alone: the gateway ends what has streamed and
                     # moves what has not to another worker.
                     log.exception("engine step failed")
-                    outbox.send(codec.encode(Fatal(f"engine step failed: {type(exc).__name__}: {exc}")))
+                    outbox.send_multipart([_BROADCAST, codec.encode(
+                        Fatal(f"engine step failed: {type(exc).__name__}: {exc}"))])
                     self.failed.set()
                     return
             step_usage = usage.pop() if usage else None
             if step_usage is not None:
                 self._counter.count(step_usage.busy_time_us)
             if outputs or rejected or step_usage is not None:
-                for out in outputs:
-                    if out.finished:
-                        self._live.discard(out.request_id)
                 self.snapshot = take_snapshot(engine, self._counter)
-                outbox.send(codec.encode(StepOutputs(outputs, step_usage, self.snapshot, rejected)))
+                self._publish(outbox, codec, outputs, rejected, step_usage)
+
+    def _publish(self, outbox, codec: Codec, outputs: list, rejected: list, step_usage) -> None:
+        """One StepOutputs per session concerned: its outputs, rejections
+        and share of the step's usage, with the snapshot."""
+        if self._peers:  # else no gateway is connected, and nobody is left to tell
+            default = self._peers[0]
+            usage = split_usage(step_usage, self._owner.get, default) if step_usage is not None else {}
+            mine: dict[bytes, tuple[list, list]] = {}
+            for out in outputs:
+                mine.setdefault(self._owner.get(out.request_id, default), ([], []))[0].append(out)
+            for refusal in rejected:
+                mine.setdefault(refusal.peer, ([], []))[1].append(refusal.rejection)
+            for peer in dict.fromkeys([*usage, *mine]):
+                outs, refused = mine.get(peer, ([], []))
+                message = StepOutputs(outs, usage.get(peer), self.snapshot, refused)
+                outbox.send_multipart([peer, codec.encode(message)])
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
 
     def _apply_commands(self, engine, outputs: list, rejected: list, *, block: bool) -> bool:
         """Apply queued commands; False once shutdown was asked for."""
@@ -144,41 +186,49 @@ class _EngineLoop:
         while True:
             if cmd is None:
                 return False
-            if isinstance(cmd, AddRequest):
-                self._add(engine, cmd, rejected)
-            elif isinstance(cmd, Abort):
-                for request_id in cmd.request_ids:
-                    if request_id in self._live:
-                        self._live.discard(request_id)
-                        out = engine.abort(request_id)
-                        if out is not None:
-                            outputs.append(out)
-            elif cmd is _ABORT_ALL:
-                for request_id in list(self._live):
-                    out = engine.abort(request_id)
-                    if out is not None:
-                        outputs.append(out)
-                self._live.clear()
+            peer, message = cmd
+            if isinstance(message, AddRequest):
+                self._add(engine, peer, message, rejected)
+            elif isinstance(message, Abort):
+                self._abort(engine, [r for r in message.request_ids if self._owner.get(r) == peer], outputs)
+            elif message is _SESSION_OPEN:
+                self._peers.append(peer)
+            elif message is _SESSION_CLOSED or isinstance(message, _Moved):
+                orphans = [r for r, p in self._owner.items() if p == peer]
+                if isinstance(message, _Moved):
+                    self._owner.update((r, message.to) for r in orphans)
+                self._abort(engine, orphans, outputs)
+                if peer in self._peers:
+                    self._peers.remove(peer)
             try:
                 cmd = self.commands.get_nowait()
             except queue.Empty:
                 return True
 
-    def _add(self, engine, cmd: AddRequest, rejected: list) -> None:
-        if cmd.request_id in self._live:
-            rejected.append(Rejection(cmd.request_id, "request_id", f"duplicate request id {cmd.request_id!r}"))
+    def _add(self, engine, peer: bytes, cmd: AddRequest, rejected: list) -> None:
+        if cmd.request_id in self._owner:
+            rejected.append(_Refusal(peer, Rejection(cmd.request_id, "request_id",
+                                                     f"duplicate request id {cmd.request_id!r}")))
             return
         try:
             engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, tier=cmd.tier,
                                adapter_key=cmd.adapter_key, cache_salt=cmd.cache_salt)
         except ValidationError as exc:
-            rejected.append(Rejection(cmd.request_id, exc.param, exc.message))
+            rejected.append(_Refusal(peer, Rejection(cmd.request_id, exc.param, exc.message)))
             return
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the worker down
             log.exception("add_request failed")
-            rejected.append(Rejection(cmd.request_id, None, f"{type(exc).__name__}: {exc}"))
+            rejected.append(_Refusal(peer, Rejection(cmd.request_id, None, f"{type(exc).__name__}: {exc}")))
             return
-        self._live.add(cmd.request_id)
+        self._owner[cmd.request_id] = peer
+
+    def _abort(self, engine, request_ids: list[str], outputs: list) -> None:
+        for request_id in request_ids:
+            out = engine.abort(request_id)
+            if out is not None:
+                outputs.append(out)  # its owner is forgotten once it is published
+            else:
+                self._owner.pop(request_id, None)
 
 
 class Worker:
@@ -201,13 +251,17 @@ class Worker:
         # A peer need not be authenticated to send a frame: bound its size
         # (a request is token ids and sampling settings, far below this).
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # A send to a peer whose socket is gone raises instead of vanishing:
+        # that is how a gateway that went away is noticed.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.bind(listen)
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbox = self.context.socket(zmq.PULL)
         self.outbox.setsockopt(zmq.RCVHWM, 0)
         self.outbox.bind(_OUTBOX)
         self.engine = _EngineLoop(config, self.context)
-        self.session: bytes | None = None
+        # Open sessions: peer identity -> the gateway's session id (from its Hello).
+        self.sessions: dict[bytes, str] = {}
         self.codec = Codec()
         self._stop = threading.Event()
 
@@ -233,8 +287,9 @@ class Worker:
                     if self.parent_pid is not None and os.getppid() != self.parent_pid:
                         log.warning("the supervising gateway (pid %d) is gone; stopping", self.parent_pid)
                         break
-                    if self.session is not None:
-                        self._send(self.session, self._status())
+                    status = self._status()
+                    for peer in list(self.sessions):
+                        self._send(peer, status)
                     next_beat = now + self.heartbeat_s
             self._forward_outbox()  # the Fatal, if the engine failed
         finally:
@@ -270,16 +325,31 @@ class Worker:
         return Status(PROTOCOL_VERSION, worker=e.info, load_error=e.load_error, snapshot=e.snapshot)
 
     def _send(self, peer: bytes, message) -> None:
-        self.router.send_multipart([peer, self.codec.encode(message)])
+        self._deliver(peer, self.codec.encode(message))
+
+    def _deliver(self, peer: bytes, frame: bytes) -> None:
+        try:
+            self.router.send_multipart([peer, frame])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            if peer in self.sessions:
+                log.info("gateway session %s is gone; aborting its requests", self.sessions[peer])
+                self._close_session(peer)
+
+    def _close_session(self, peer: bytes, successor: bytes | None = None) -> None:
+        del self.sessions[peer]
+        self.engine.commands.put((peer, _SESSION_CLOSED if successor is None else _Moved(successor)))
 
     def _forward_outbox(self) -> None:
         while True:
             try:
-                frame = self.outbox.recv(zmq.NOBLOCK)
+                peer, frame = self.outbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if self.session is not None:
-                self.router.send_multipart([self.session, frame])
+            for target in (list(self.sessions) if peer == _BROADCAST else [peer]):
+                if target in self.sessions:
+                    self._deliver(target, frame)
 
     def _receive(self) -> None:
         while True:
@@ -296,8 +366,8 @@ class Worker:
                 continue
             if isinstance(message, Hello):
                 self._hello(peer, message)
-            elif peer == self.session:
-                self.engine.commands.put(message)
+            elif peer in self.sessions:
+                self.engine.commands.put((peer, message))
             # else: a peer that never opened a session; its commands are ignored
 
     def _hello(self, peer: bytes, hello: Hello) -> None:
@@ -308,10 +378,13 @@ class Worker:
             log.warning("refused a gateway session: wrong or missing secret")
             self._send(peer, Refused("wrong or missing worker secret"))
             return
-        if self.session is not None and self.session != peer:
-            log.info("gateway session %s takes over; aborting the previous session's requests", hello.session)
-            self.engine.commands.put(_ABORT_ALL)
-        self.session = peer
+        for old, session in list(self.sessions.items()):
+            if session == hello.session and old != peer:
+                log.info("gateway session %s reconnected; aborting its previous socket's requests", session)
+                self._close_session(old, successor=peer)
+        if peer not in self.sessions:
+            self.sessions[peer] = hello.session
+            self.engine.commands.put((peer, _SESSION_OPEN))
         self._send(peer, self._status())
 
 

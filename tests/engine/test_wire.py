@@ -153,8 +153,8 @@ class Peer:
     def send(self, message) -> None:
         self.socket.send(self.codec.encode(message))
 
-    def hello(self, secret: str | None = SECRET, version: int = PROTOCOL_VERSION) -> None:
-        self.send(Hello(version, uuid.uuid4().hex[:8], secret))
+    def hello(self, secret: str | None = SECRET, version: int = PROTOCOL_VERSION, session: str | None = None) -> None:
+        self.send(Hello(version, session or uuid.uuid4().hex[:8], secret))
 
     def receive(self, timeout_s: float):
         """The next message, or None if none came within `timeout_s`."""
@@ -212,10 +212,10 @@ def peers(worker):
     context.term()
 
 
-def _session(make) -> Peer:
+def _session(make, session: str | None = None) -> Peer:
     """A peer with an open session on a worker whose model has loaded."""
     peer = make()
-    peer.hello()
+    peer.hello(session=session)
     peer.until(lambda m: isinstance(m, Status) and m.worker is not None, 120.0, "the model to load")
     return peer
 
@@ -262,11 +262,11 @@ def test_without_the_secret_a_peer_is_refused_and_its_requests_ignored(peers):
         assert len(intruder.received) == 1
 
 
-def test_a_new_session_takes_over_and_aborts_the_old_sessions_requests(peers):
-    old = _session(peers)
+def test_a_reconnecting_gateway_takes_over_and_aborts_its_old_sockets_requests(peers):
+    old = _session(peers, session="gw-restarting")
     old.send(_long_request("old-1"))
     old.until(lambda m: isinstance(m, StepOutputs) and old.outputs_of("old-1"), what="old-1 to run")
-    new = _session(peers)
+    new = _session(peers, session="gw-restarting")
     # The old session's request ends as aborted long before its 1500 tokens.
     new.until(lambda m: isinstance(m, StepOutputs) and any(o.request_id == "old-1" and o.finished
                                                            for o in m.outputs), what="old-1 to be aborted")
@@ -279,3 +279,40 @@ def test_a_new_session_takes_over_and_aborts_the_old_sessions_requests(peers):
     status = new.until(lambda m: isinstance(m, Status), what="a heartbeat")
     assert status.snapshot.num_requests == 0 and status.snapshot.kv_used_blocks == 0
     assert not new.outputs_of("old-2")
+
+
+def test_two_gateways_share_a_worker_each_seeing_only_its_own_requests(peers):
+    a, b = _session(peers), _session(peers)
+    idle = b.until(lambda m: isinstance(m, Status) and m.snapshot.num_requests == 0, what="an idle worker")
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    a.send(AddRequest("a-1", [5, 6, 7, 8], params, Tier.STANDARD, None, None))
+    b.send(AddRequest("b-1", [9, 10, 11], params, Tier.STANDARD, None, None))
+    for peer, mine in ((a, "a-1"), (b, "b-1")):
+        peer.until(lambda m, p=peer, r=mine: any(o.finished for o in p.outputs_of(r)), what=f"{mine} to finish")
+    # Each saw only its own request, complete.
+    assert not a.outputs_of("b-1") and not b.outputs_of("a-1")
+    for peer, mine in ((a, "a-1"), (b, "b-1")):
+        assert sum(len(c.token_ids) for o in peer.outputs_of(mine) for c in o.outputs) == 24
+    # Each step's busy time reached the gateways exactly once in all: the
+    # usage each saw names only its own requests, and the shares add up to
+    # the worker's own count of busy time.
+    steps = {}
+    for peer, mine in ((a, "a-1"), (b, "b-1")):
+        for m in peer.received:
+            if isinstance(m, StepOutputs) and m.usage is not None:
+                assert {r.request_id for r in m.usage.requests} <= {mine}
+                steps.setdefault(m.usage.step_id, 0)
+                steps[m.usage.step_id] += m.usage.busy_time_us
+    last = a.until(lambda m: isinstance(m, Status), what="a heartbeat").snapshot
+    assert sum(steps.values()) == last.busy_time_us - idle.snapshot.busy_time_us > 0
+
+
+def test_a_gateway_that_disappears_has_its_requests_aborted(peers):
+    gone, stays = _session(peers), _session(peers)
+    gone.send(_long_request("gone-1"))
+    gone.until(lambda m: isinstance(m, StepOutputs) and gone.outputs_of("gone-1"), what="gone-1 to run")
+    gone.close()
+    # The worker notices at its next heartbeat to the closed socket and
+    # frees the request long before its 1500 tokens.
+    stays.until(lambda m: isinstance(m, Status) and m.snapshot.num_requests == 0
+                and m.snapshot.kv_used_blocks == 0, 30.0, "gone-1 to be aborted")
