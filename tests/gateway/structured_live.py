@@ -1,6 +1,6 @@
-"""A live gateway on the real SmolLM2 for the structured-output and tool
-tests: one tenant, the official `openai` client, and raw HTTP for bodies
-the client would not send."""
+"""A live gateway for the structured-output and tool tests (SmolLM2, or the
+tiny Llama that shares its tokenizer and template): one tenant, the
+official `openai` client, and raw HTTP for bodies the client would not send."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ TOOLS = [WEATHER, TIME]
 
 
 @contextlib.contextmanager
-def smollm_gateway(smollm_dir, tmp_path):
+def structured_gateway(model_dir, tmp_path):
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
     keys = seed_tenants(db_url, {"acme": Tier.STANDARD})
-    engine = EngineConfig.from_flat(model=str(smollm_dir), max_model_len=1024, max_num_seqs=8,
+    engine = EngineConfig.from_flat(model=str(model_dir), max_model_len=1024, max_num_seqs=8,
                                     num_kv_blocks=512, data_dir=str(tmp_path / "data"))
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, admin_token=ADMIN_TOKEN, engine=engine,
                                                 data_dir=tmp_path / "data"))
