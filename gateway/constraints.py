@@ -13,7 +13,7 @@ import json
 from engine.structured.spec import StructuredSpec
 from gateway.errors import InvalidRequest
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.schemas.structured import NamedToolChoice, ResponseFormat, StructuredOutputs
+from gateway.schemas.structured import NamedToolChoice, ResponseFormatParam, StructuredOutputs
 from gateway.tools import ToolPlan, plan_tools
 
 
@@ -30,7 +30,7 @@ def output_spec(req: ChatCompletionRequest | CompletionRequest) -> StructuredSpe
     return _structured_outputs_spec(req.structured_outputs)
 
 
-def _format_spec(fmt: ResponseFormat) -> StructuredSpec | None:
+def _format_spec(fmt: ResponseFormatParam) -> StructuredSpec | None:
     if fmt.type == "json_object" or (fmt.type == "json_schema" and fmt.json_schema.schema_ is None):
         return StructuredSpec.json_object(param="response_format")
     if fmt.type == "json_schema":

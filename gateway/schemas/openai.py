@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from gateway.schemas.structured import (
     MAX_TOOLS,
-    ResponseFormat,
+    ResponseFormatParam,
     StructuredOutputs,
     Tool,
     ToolCall,
@@ -183,7 +183,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
+    response_format: ResponseFormatParam | None = None
     tools: _list_of(Tool) | None = Field(None, description=f"at most {MAX_TOOLS}",
                                          json_schema_extra={"maxItems": MAX_TOOLS})
     tool_choice: ToolChoice | None = Field(None, description='default "auto" with tools, else "none"')

@@ -33,13 +33,13 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = Field(None, description="ignored: the schema is always enforced")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormatParam(BaseModel):
     model_config = _REQUEST
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
+    def _schema_with_its_type(self) -> ResponseFormatParam:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type json_schema, and only then")
         return self
