@@ -20,8 +20,11 @@ request is refused rather than tokenized unsafely.
 from __future__ import annotations
 
 import bisect
+import functools
 import secrets
 from typing import NamedTuple
+
+import jinja2
 
 from engine.errors import ValidationError
 
@@ -33,6 +36,13 @@ class _Rendered(NamedTuple):
     content_spans: list[tuple[int, int]] | None
 
 
+class ChatFeatures(NamedTuple):
+    # The template renders a `tools` list itself (its source mentions them).
+    tools: bool
+    # A `{"role": "tool"}` message comes out with its content in it.
+    tool_role: bool
+
+
 class ChatTokenizer:
     """Renders and tokenizes chats for one HF fast tokenizer. Thread-safe:
     it never changes the tokenizer's state (HF's `split_special_tokens`
@@ -42,6 +52,7 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self._special_ids = frozenset(
             tid for tid, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+        self._special_texts = [tok.content for tok in tokenizer.added_tokens_decoder.values() if tok.special]
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError("the chat template needs a fast (tokenizers-backed) tokenizer")
@@ -50,25 +61,45 @@ class ChatTokenizer:
         self._plain = type(backend).from_str(backend.to_str())
         self._plain.encode_special_tokens = True
 
-    def encode(self, messages: list[dict]) -> list[int]:
+    @functools.cached_property
+    def features(self) -> ChatFeatures:
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if not isinstance(template, str):  # a dict of named templates
+            template = "".join(template.values())
+        probe = f"\ue000{secrets.token_hex(8)}\ue001"
+        try:
+            tool_role = probe in self._apply([{"role": "user", "content": "?"}, {"role": "tool", "content": probe}])
+        except (jinja2.TemplateError, ValueError):
+            tool_role = False
+        return ChatFeatures(tools="tools" in template, tool_role=tool_role)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text, as `apply_chat_template` renders it."""
+        return self._apply(messages, tools)
+
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("messages", "this model has no chat template")
-        rendered = self._render(messages)
+        if tools and any(t in repr(tools) for t in self._special_texts):
+            # Tool definitions are rendered by the template, outside any
+            # message, so the placeholders below cannot tell them apart.
+            raise ValidationError("tools", "tool definitions may not contain the model's control tokens")
+        rendered = self._render(messages, tools)
         enc = self.tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         if rendered.content_spans is None:
-            return self._refuse_forged(messages, ids)
+            return self._refuse_forged(messages, ids, tools)
         if not self._forged(ids, offsets, rendered.content_spans):
             return ids  # what apply_chat_template gives, token for token
         out = self._encode_split(rendered.text, ids, offsets, rendered.content_spans)
         # A special token that began in content and ran into the template's
         # text would have swallowed one of the template's markers.
-        if self._count_special(out) != self._count_special(self._encode_template_only(messages)):
+        if self._count_special(out) != self._count_special(self._encode_template_only(messages, tools)):
             raise ValidationError("messages", "message content may not end in part of a control token")
         return out
 
-    def _render(self, messages: list[dict]) -> _Rendered:
-        text = self._apply(messages)
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> _Rendered:
+        text = self._apply(messages, tools)
         nonce = secrets.token_hex(8)
         holders: list[tuple[str, str]] = []
         masked = []
@@ -81,7 +112,7 @@ class ChatTokenizer:
                 holders.append((holder, content))
                 message = {**message, "content": holder}
             masked.append(message)
-        skeleton = self._apply(masked)
+        skeleton = self._apply(masked, tools)
         spans, rebuilt, pos = [], [], 0
         for holder, content in holders:
             at = skeleton.find(holder, pos)
@@ -97,8 +128,8 @@ class ChatTokenizer:
             return _Rendered(text, None)  # the template rewrote content
         return _Rendered(text, spans)
 
-    def _apply(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def _apply(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
     def _in_content(self, spans: list[tuple[int, int]]):
         starts = [s for s, _ in spans]
@@ -135,14 +166,14 @@ class ChatTokenizer:
     def _count_special(self, ids: list[int]) -> int:
         return sum(1 for t in ids if t in self._special_ids)
 
-    def _encode_template_only(self, messages: list[dict]) -> list[int]:
+    def _encode_template_only(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The chat with every content emptied: the template's markers alone."""
         emptied = [{**m, "content": ""} if isinstance(m.get("content"), str) else m for m in messages]
-        return self.tokenizer(self._apply(emptied), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self._apply(emptied, tools), add_special_tokens=False)["input_ids"]
 
-    def _refuse_forged(self, messages: list[dict], ids: list[int]) -> list[int]:
+    def _refuse_forged(self, messages: list[dict], ids: list[int], tools: list[dict] | None) -> list[int]:
         """Without content spans: the ids if content added no special token."""
-        if self._count_special(ids) != self._count_special(self._encode_template_only(messages)):
+        if self._count_special(ids) != self._count_special(self._encode_template_only(messages, tools)):
             raise ValidationError("messages", "message content may not contain the model's control tokens "
                                               "with this chat template")
         return ids

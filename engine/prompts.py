@@ -7,9 +7,10 @@ receives only token ids); the offline engine holds one too.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
-from engine.chat_template import ChatTokenizer
+from engine.chat_template import ChatFeatures, ChatTokenizer
 from engine.errors import ValidationError
 from engine.token_floor import max_chars_per_token
 
@@ -19,6 +20,8 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self._chat: ChatTokenizer | None = None  # built on first use
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built with the first structured request
+        self._ll_lock = threading.Lock()
         self._max_chars_per_token = max_chars_per_token(tokenizer)
 
     @classmethod
@@ -38,12 +41,50 @@ class PromptEncoder:
             raise ValidationError("prompt", f"token ids must be in [0, {self.vocab_size})")
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Prompt ids of a chat; text typed in a message never becomes a
-        control token (engine/chat_template.py)."""
+        control token (engine/chat_template.py). `tools` go to a template
+        that takes them (see `chat_features`)."""
+        return self._chat_tokenizer().encode(messages, tools)
+
+    def chat_features(self) -> ChatFeatures:
+        """What the model's chat template can render besides plain turns."""
+        return self._chat_tokenizer().features
+
+    def _chat_tokenizer(self) -> ChatTokenizer:
         if self._chat is None:
             self._chat = ChatTokenizer(self.tokenizer)
-        return self._chat.encode(messages)
+        return self._chat
+
+    def check_structured(self, spec) -> None:
+        """Raise ValidationError naming `spec.param` unless the spec compiles
+        and yields a first token mask within llguidance's fuel. Thread-safe;
+        the llguidance tokenizer (about half a second) is built once."""
+        from engine.structured.grammar import check_spec, llguidance_limits, to_llguidance
+        from llguidance import LLMatcher
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        ll_tokenizer = self._llguidance_tokenizer()
+        check_spec(spec, ll_tokenizer)
+        # Compiling is lazy: a grammar too complex for its fuel shows only
+        # when the first mask is computed. The engine would then allow
+        # nothing but EOS; a 400 says why instead.
+        matcher = LLMatcher(ll_tokenizer, to_llguidance(spec), log_level=0, limits=llguidance_limits())
+        if not matcher.is_error():
+            fill_next_token_bitmask(matcher, allocate_token_bitmask(1, ll_tokenizer.vocab_size), 0)
+        if matcher.is_error():
+            reason = matcher.get_error().strip().splitlines()[0][:300]
+            raise ValidationError(spec.param, f"the constraint is too complex to enforce: {reason}")
+
+    def _llguidance_tokenizer(self):
+        with self._ll_lock:
+            if self._ll_tokenizer is None:
+                from engine.structured.grammar import make_tokenizer
+
+                eos = self.tokenizer.eos_token_id
+                self._ll_tokenizer = make_tokenizer(self.tokenizer, self.vocab_size,
+                                                    frozenset() if eos is None else frozenset({eos}))
+            return self._ll_tokenizer
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -54,9 +95,8 @@ class PromptEncoder:
         per_token = self._max_chars_per_token
         return -(-len(text) // per_token) if per_token else 0
 
-    def chat_token_floor(self, messages: list[dict]) -> int:
+    def chat_token_floor(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         if not self._max_chars_per_token or not getattr(self.tokenizer, "chat_template", None):
             return 0
         # Rendering is string work; tokenizing the result is what costs.
-        return self.token_floor(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                   tokenize=False))
+        return self.token_floor(self._chat_tokenizer().render(messages, tools))

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+from engine.chat_template import ChatFeatures
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.request import Tier
 from engine.prompts import PromptEncoder
 from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot, combine_snapshots
+from engine.structured.spec import StructuredSpec
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +177,17 @@ class EngineClient(abc.ABC):
         against the vocabulary (ValidationError otherwise)."""
         return self.prompts.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.prompts.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.prompts.apply_chat_template(messages, tools)
+
+    def chat_features(self) -> ChatFeatures:
+        """Whether the chat template renders tools and tool results itself."""
+        return self.prompts.chat_features()
+
+    def check_structured(self, spec: StructuredSpec) -> None:
+        """ValidationError naming `spec.param` unless the engine can enforce
+        the spec; a compile check bounded by llguidance's fuel."""
+        self.prompts.check_structured(spec)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.prompts.decode(token_ids)
@@ -186,9 +197,9 @@ class EngineClient(abc.ABC):
         it (engine/token_floor.py); 0 when the tokenizer gives no such bound."""
         return self.prompts.token_floor(text)
 
-    def chat_token_floor(self, messages: list[dict]) -> int:
+    def chat_token_floor(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         """The same for a chat prompt: the floor of its rendered template."""
-        return self.prompts.chat_token_floor(messages)
+        return self.prompts.chat_token_floor(messages, tools)
 
 
 class InProcessEngineClient(EngineClient):

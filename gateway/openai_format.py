@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from gateway.schemas.structured import ToolCall
+from gateway.tool_stream import ToolCallStream
+from gateway.tools import ToolReader, new_call_id
 from gateway.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -51,16 +54,16 @@ class ResponseFormat:
     created: int
     chat: bool
     decode: Callable[[list[int]], str]
+    tools: ToolReader | None = None  # reads tool calls out of chat outputs
     _spelled: dict[int, str] = field(default_factory=dict)
+    _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # by choice index
 
     # ---- whole responses ----
 
     def response(self, out: RequestOutput) -> dict:
         usage = usage_of(out)
         if self.chat:
-            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  finish_reason=c.finish_reason, logprobs=self._chat_logprobs(c.logprobs))
-                       for c in out.outputs]
+            choices = [self._chat_choice(c) for c in out.outputs]
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         else:
             choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
@@ -68,6 +71,16 @@ class ResponseFormat:
                        for c in out.outputs]
             body = Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return body.model_dump(mode="json")
+
+    def _chat_choice(self, c: CompletionOutput) -> ChatChoice:
+        call = self.tools.call_in(c.text, c.finish_reason) if self.tools is not None else None
+        if call is None:
+            message, finish = AssistantMessage(content=c.text), c.finish_reason
+        else:
+            message = AssistantMessage(content=None, tool_calls=[ToolCall(id=new_call_id(), function=call)])
+            finish = "tool_calls"
+        return ChatChoice(index=c.index, message=message, finish_reason=finish,
+                          logprobs=self._chat_logprobs(c.logprobs))
 
     # ---- streamed chunks ----
 
@@ -78,11 +91,19 @@ class ResponseFormat:
         return self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                             for i in range(n)])
 
-    def delta_chunk(self, c: CompletionOutput, text_offset: int) -> dict:
-        """The chunk for one choice's delta (engine/outputs.py). `text_offset`
-        is how much of this choice's text earlier chunks carried (for
-        completion logprobs)."""
-        if self.chat:
+    def delta_chunk(self, c: CompletionOutput, text_offset: int) -> dict | None:
+        """The chunk for one choice's delta (engine/outputs.py), or None while
+        a possible tool call is held back (gateway/tool_stream.py).
+        `text_offset` is how much of this choice's text earlier chunks
+        carried (for completion logprobs)."""
+        if self.chat and self.tools is not None:
+            stream = self._tool_streams.setdefault(c.index, ToolCallStream(self.tools))
+            piece = stream.feed(c)
+            if piece is None:
+                return None
+            choice = ChatChunkChoice(index=c.index, delta=piece.delta, finish_reason=piece.finish_reason,
+                                     logprobs=self._chat_logprobs(piece.logprobs))
+        elif self.chat:
             choice = ChatChunkChoice(index=c.index, delta=ChatDelta(content=c.text),
                                      finish_reason=c.finish_reason, logprobs=self._chat_logprobs(c.logprobs))
         else:

@@ -9,6 +9,7 @@ offending field, so bad input never reaches the engine.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -17,10 +18,13 @@ import pydantic
 
 from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredSpec
+from gateway.constraints import output_spec, tool_plan
 from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequest
 from gateway.json_body import load_json
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from gateway.tools import ToolPlan, ToolReader, chat_messages
 
 R = TypeVar("R", bound=_SamplingRequest)
 
@@ -32,6 +36,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
+    tools: ToolReader | None = None  # how to read tool calls out of the output
 
 
 def parse_body(raw: bytes, schema: type[R]) -> R:
@@ -57,6 +62,8 @@ def _invalid(exc: pydantic.ValidationError) -> InvalidRequest:
     for part in error["loc"]:
         if isinstance(part, int):
             param += f"[{part}]"
+        elif part[:1].isupper():
+            continue  # a union branch named by its model class
         elif part.isidentifier() and part not in _TYPE_TAGS:
             param += f".{part}" if param else part
         else:
@@ -66,20 +73,49 @@ def _invalid(exc: pydantic.ValidationError) -> InvalidRequest:
 
 
 def prepare_chat(req: ChatCompletionRequest, engine: EngineClient) -> Prepared:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
+    with _as_bad_request():
+        spec = output_spec(req)
+        plan = tool_plan(req, spec)
+        _check_constraints(spec, plan, engine)
+    features = engine.chat_features()
+    messages = chat_messages(req.messages, features, plan)
+    tools = plan.template_tools() if plan is not None and features.tools else None
     try:
         # The floor (characters / longest token) reaches the context length
         # only for a rendered prompt of more characters than that, so only
         # messages that long are rendered an extra time to find it. Skipping
         # is always safe: the exact count after tokenizing is checked too.
         if sum(len(m["content"]) for m in messages) >= engine.max_model_len:
-            _check_context(engine.chat_token_floor(messages), req, engine.max_model_len, prompt_param="messages",
-                           at_least=True)
-        prompt_ids = engine.apply_chat_template(messages)
+            _check_context(engine.chat_token_floor(messages, tools), req, engine.max_model_len,
+                           prompt_param="messages", at_least=True)
+        prompt_ids = engine.apply_chat_template(messages, tools)
     except jinja2.TemplateError as exc:  # templates raise on role orders they do not support
         raise InvalidRequest(f"messages: the model's chat template refused them: {exc}", param="messages") from None
-    return Prepared(prompt_ids, _sampling_params(req, prompt_ids, engine.max_model_len, prompt_param="messages"))
+    structured = plan.spec if plan is not None else spec
+    params = _sampling_params(req, prompt_ids, engine.max_model_len, prompt_param="messages", structured=structured)
+    return Prepared(prompt_ids, params, plan.reader if plan is not None else None)
+
+
+@contextlib.contextmanager
+def _as_bad_request():
+    """The engine's ValidationError (a bad constraint) as a 400 naming its field."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise InvalidRequest(f"{exc.param}: {exc.message}", param=exc.param) from None
+
+
+def _check_constraints(spec: StructuredSpec | None, plan: ToolPlan | None, engine: EngineClient) -> None:
+    """Compile every constraint against the tokenizer; each tool's
+    parameters on their own first, so a 400 names the tool at fault."""
+    if plan is not None:
+        for i, tool in enumerate(plan.tools):
+            param = f"tools[{i}].function.parameters"
+            if plan.spec.param != param:  # a named function's spec is its parameters: checked below
+                engine.check_structured(StructuredSpec.json_schema(tool.function.parameters_schema(), param))
+        spec = plan.spec
+    if spec is not None:
+        engine.check_structured(spec)
 
 
 def prepare_completion(req: CompletionRequest, engine: EngineClient) -> Prepared:
@@ -99,11 +135,16 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient) -> Prepared
     prompt_ids = engine.tokenize(prompt)  # validates token ids against the vocabulary
     if not prompt_ids:
         raise InvalidRequest("prompt: the prompt is empty after tokenization", param="prompt")
-    return Prepared(prompt_ids, _sampling_params(req, prompt_ids, engine.max_model_len, prompt_param="prompt"))
+    with _as_bad_request():
+        spec = output_spec(req)
+        _check_constraints(spec, None, engine)
+    return Prepared(prompt_ids, _sampling_params(req, prompt_ids, engine.max_model_len, prompt_param="prompt",
+                                                 structured=spec))
 
 
 def _sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                     max_model_len: int, *, prompt_param: str) -> SamplingParams:
+                     max_model_len: int, *, prompt_param: str,
+                     structured: StructuredSpec | None = None) -> SamplingParams:
     room = _check_context(len(prompt_ids), req, max_model_len, prompt_param=prompt_param)
     limit = req.output_limit()[0] or room
     try:
@@ -120,6 +161,7 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_ids:
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logprobs=req.engine_logprobs(),
+            structured=structured,
         )
     except ValidationError as exc:
         raise InvalidRequest(f"{exc.param}: {exc.message}", param=exc.param) from None

@@ -68,7 +68,9 @@ async def completion_events(first: RequestOutput, rest: AsyncIterator[RequestOut
             on_output(out)  # an error output too: the record then says error
             check_output(out)
             for c in out.outputs:  # only the choices that changed, each finishing once
-                yield sse_event(fmt.delta_chunk(c, text_sent[c.index]))
+                chunk = fmt.delta_chunk(c, text_sent[c.index])
+                if chunk is not None:  # None: a possible tool call is held until it is whole
+                    yield sse_event(chunk)
                 text_sent[c.index] += len(c.text)
             last = out
             out = await anext(rest, None)

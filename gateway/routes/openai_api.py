@@ -134,7 +134,8 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
         request_id=request_id, tenant_id=principal.tenant.id, tier=principal.tenant.tier,
         prompt_ids=prepared.prompt_ids, params=params, adapter_key=adapter_key, cache_salt=principal.cache_salt)
     fmt = ResponseFormat(id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model=body.model,
-                         created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode)
+                         created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode,
+                         tools=prepared.tools)
     lifecycle = RequestLifecycle(gw, ticket, principal, request_id=request_id, model=body.model,
                                  adapter_key=adapter_key, prompt_tokens=len(prepared.prompt_ids))
     outputs = None

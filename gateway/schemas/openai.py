@@ -4,7 +4,7 @@ Requests are parsed strictly by type (`"n": "2"` or `"n": true` is a 400)
 but leniently by name: fields an OpenAI client may send that we do not use
 (`metadata`, `store`, `parallel_tool_calls`, ...) are ignored. Fields whose
 non-default value would change the answer in a way we cannot honour
-(`tools`, `echo`, `logit_bias`, ...) are refused with a 400 instead of being
+(`functions`, `echo`, `logit_bias`, ...) are refused with a 400 instead of being
 silently dropped. The non-standard `top_k`, `min_tokens` and
 `repetition_penalty` (vLLM's names) are accepted.
 
@@ -19,6 +19,15 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from gateway.schemas.structured import (
+    MAX_TOOLS,
+    ResponseFormatParam,
+    StructuredOutputs,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+)
 from gateway.schemas.text import StoredText
 
 MAX_STOP = 4
@@ -92,6 +101,8 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, description="non-standard; 0 or -1 turns top-k off")
     min_tokens: int | None = Field(None, ge=0, description="non-standard")
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="non-standard")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="non-standard (vLLM's): exactly one of regex, choice, grammar, json, json_object")
 
     @classmethod
     def unsupported_field(cls, body: dict) -> str | None:
@@ -143,6 +154,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | _list_of(ContentPart) | None = None
     name: str | None = None
+    tool_calls: _list_of(ToolCall) | None = Field(None, description="assistant messages only",
+                                                  json_schema_extra={"maxItems": MAX_TOOLS})
+    tool_call_id: str | None = Field(None, description="tool messages: the call this answers")
+
+    _tool_call_count = _at_most("tool_calls", MAX_TOOLS, "tool calls")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value: list[ToolCall] | None, info: ValidationInfo):
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -152,16 +175,21 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.UNSUPPORTED, "tools": (None, []), "functions": (None, []),
-        "tool_choice": (None, "none", "auto"), "audio": (None,), "response_format": (None, {"type": "text"})}
+        **_SamplingRequest.UNSUPPORTED, "functions": (None, []), "function_call": (None, "none", "auto"),
+        "audio": (None,)}
 
     messages: _list_of(ChatMessage) = Field(min_length=1, description=f"at most {MAX_MESSAGES}",
                                             json_schema_extra={"maxItems": MAX_MESSAGES})
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormatParam | None = None
+    tools: _list_of(Tool) | None = Field(None, description=f"at most {MAX_TOOLS}",
+                                         json_schema_extra={"maxItems": MAX_TOOLS})
+    tool_choice: ToolChoice | None = Field(None, description='default "auto" with tools, else "none"')
 
     _message_count = _at_most("messages", MAX_MESSAGES, "messages")
+    _tool_count = _at_most("tools", MAX_TOOLS, "tools")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -233,12 +261,13 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -265,6 +294,7 @@ class ChatCompletion(_Response):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapters.registry import AdapterRegistry
+from engine.chat_template import ChatFeatures
 from engine.snapshot import EngineSnapshot
 from gateway.engine_client import EngineClient, FleetHealth, Health
 from gateway.tenancy import Tier
@@ -51,8 +52,11 @@ class FakeEngineClient(EngineClient):
     def tokenize(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenize("".join(m.get("content", "") for m in messages))
+
+    def chat_features(self) -> ChatFeatures:
+        return ChatFeatures(tools=False, tool_role=True)
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids)

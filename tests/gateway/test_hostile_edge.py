@@ -54,7 +54,7 @@ class CountingEngine(FakeEngineClient):
             raise ValidationError("prompt", "token ids must be in [0, 50000)")
         return list(prompt)
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, tools=None):
         self.tokenized += 1
         self.threads.add(threading.current_thread().name)
         return super().tokenize("".join(m["content"] for m in messages))
@@ -62,7 +62,7 @@ class CountingEngine(FakeEngineClient):
     def token_floor(self, text: str) -> int:
         return -(-len(text) // CHARS_PER_TOKEN)
 
-    def chat_token_floor(self, messages) -> int:
+    def chat_token_floor(self, messages, tools=None) -> int:
         return self.token_floor("".join(m["content"] for m in messages))
 
 

@@ -317,7 +317,8 @@ def test_invalid_completion_requests_are_bad_requests(live, kwargs, param):
     ({"n": 17}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),  # the legacy form of tools
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
 ])
 def test_invalid_chat_requests_are_bad_requests(live, kwargs, param):
     args = {"model": live.model, "messages": CHAT, "max_tokens": 4, **kwargs}

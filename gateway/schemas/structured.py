@@ -1,0 +1,126 @@
+"""Request and response bodies for structured output and tool calls.
+
+Requests: OpenAI's `response_format`, `tools` and `tool_choice`, assistant
+messages that carry `tool_calls`, and vLLM's `structured_outputs`. Shapes
+are checked here; whether a schema, regex or grammar compiles is checked
+when the request is prepared (gateway/prepare.py), against the tokenizer.
+
+Responses: the `tool_calls` of a message and of a streamed delta.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_REQUEST = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+# A JSON schema, or any JSON object: what compiles is up to llguidance.
+JsonObject = dict[str, Any]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _REQUEST
+    name: ToolName
+    description: str | None = None
+    # Without a schema the output is any JSON object (as with json_object).
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="ignored: the schema is always enforced")
+
+
+class ResponseFormatParam(BaseModel):
+    model_config = _REQUEST
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormatParam:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extra field: exactly one constraint."""
+
+    model_config = _REQUEST
+    regex: str | None = None
+    choice: Annotated[list[str], Field(fail_fast=True)] | None = None
+    grammar: str | None = Field(None, description="a Lark grammar in llguidance's dialect")
+    json_: JsonObject | str | None = Field(None, alias="json",
+                                           description="a JSON schema, or a JSON string of one")
+    json_object: bool | None = None
+
+    def given(self) -> list[str]:
+        """The constraints set, by their wire names."""
+        names = {"regex": self.regex, "choice": self.choice, "grammar": self.grammar, "json": self.json_,
+                 "json_object": self.json_object or None}
+        return [name for name, value in names.items() if value is not None]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST
+    name: ToolName
+    description: str | None = None
+    parameters: JsonObject | None = Field(None, description='default {"type":"object","properties":{}}')
+    strict: bool | None = Field(None, description="ignored: the parameters schema is always enforced")
+
+    def parameters_schema(self) -> JsonObject:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _REQUEST
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    """A call the model made: `arguments` is JSON text, as OpenAI sends it."""
+
+    model_config = _REQUEST
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = _REQUEST
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# ---- responses ----------------------------------------------------------------
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
