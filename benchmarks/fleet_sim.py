@@ -19,7 +19,7 @@ Targets: the affinity fleet's prefix hit rate >= 90% of the giant's; under
 3x standard overload, premium TTFT p99 <= 1.5x its p99 at load 0.5, and no
 premium 429.
 
-    python benchmarks/fleet_sim.py [--workers 64] [--adapters 1000] [--duration 20]
+    python benchmarks/fleet_sim.py [--workers 64] [--adapters 1000] [--duration S]
         [--model benchmarks/step_time_model.json] [--out PATH] [--plot PATH]
     python benchmarks/fleet_sim.py --measure [--seconds 60]   # re-fit the step-time model
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +36,8 @@ from pathlib import Path
 import numpy as np
 from sim_fleet import FleetRun, FleetSim, LeastLoadedRouter, SimClock, Workload, WorkloadShape
 from sim_worker import SimWorker, WorkerShape
-from step_time import DEFAULT_MODEL, StepFeatures, StepTimeModel
+from step_time import (DEFAULT_MODEL, StepFeatures, StepTimeModel, fit, measure, read_samples, write_model,
+                       write_samples)
 
 from engine.request import Tier
 from gateway.config import GatewayConfig
@@ -46,7 +46,11 @@ from gateway.router import RoutingConfig, make_router
 TARGETS = {"prefix_hit_vs_giant": 0.90, "premium_p99_overload_vs_half": 1.5, "premium_429": 0}
 PREMIUM_SHARE = 0.1  # of capacity, in every phase
 POLICIES = ("affinity", "round-robin", "least-loaded")
+DEFAULT_POLICIES = ("affinity", "round-robin")  # least-loaded with --policies: two more runs
 LOADS = {"0.5": 0.5 - PREMIUM_SHARE, "3x": 3.0}  # the standard rate, in capacities
+# Phases last this many typical steps by default, so that a model of a fast
+# machine and one of a slow machine cost about the same to simulate.
+STEPS_PER_PHASE = 32
 
 
 def make_fleet(policy: str, num_workers: int, shape: WorkerShape, model: StepTimeModel,
@@ -87,6 +91,7 @@ def summarize(run: FleetRun, warmup_s: float, duration_s: float) -> dict:
             "arrived": len(mine), "refused_429": sum(r.status == "refused" for r in mine),
             "finished": sum(r.status == "finished" for r in mine),
             "aborted_at_end": sum(r.status == "aborted" for r in mine),
+            "no_first_token": sum(r.first_token_t is None for r in served),
             "ttft_p50_s": _finite(percentile(ttfts, 50)), "ttft_p99_s": _finite(percentile(ttfts, 99)),
         }
     started = [r for r in window if r.request is not None and r.request.num_computed_tokens + len(
@@ -102,6 +107,12 @@ def summarize(run: FleetRun, warmup_s: float, duration_s: float) -> dict:
     return out
 
 
+def typical_step_s(model: StepTimeModel, shape: WorkerShape) -> float:
+    """A busy step: a standard prefill chunk (the serving cap, 256 tokens)
+    beside half a batch of decodes, every slot in use."""
+    return model.predict(StepFeatures(256 + shape.max_num_seqs // 2, shape.max_num_seqs // 2, shape.max_loras, 0))
+
+
 def estimate_capacity(model: StepTimeModel, shape: WorkerShape, ws: WorkloadShape, num_workers: int) -> float:
     """Requests/s if every worker ran a full batch of decodes with the
     prefill of its successors beside it; only the starting point of the
@@ -115,16 +126,18 @@ def estimate_capacity(model: StepTimeModel, shape: WorkerShape, ws: WorkloadShap
 
 def main() -> None:
     args = parse_args()
-    if args.measure:
-        sys.argv = [sys.argv[0], "--measure", "--seconds", str(args.seconds), "--out", args.model]
-        from step_time import main as measure_main
-
-        measure_main()
+    if args.measure or args.fit:
+        refit(args)
         return
     model = StepTimeModel.load(args.model)
     shape = WorkerShape(num_kv_blocks=args.kv_blocks, max_loras=args.max_loras)
     ws = WorkloadShape(num_adapters=args.adapters)
     workload = Workload(ws, args.seed)
+    step_s = typical_step_s(model, shape)
+    args.duration = args.duration or round(STEPS_PER_PHASE * step_s, 1)
+    # Long enough for the standard queue bound (10 s) to play out, so a
+    # request that arrived late in the window is not cut off unserved.
+    args.grace = args.grace if args.grace is not None else args.duration
     warmup = args.duration * 0.25
     t0 = time.perf_counter()
     result: dict = {"args": vars(args), "step_time_model": model.to_json(), "workload": vars(ws), "worker": vars(shape)}
@@ -155,6 +168,17 @@ def main() -> None:
     plot(runs, args.policies, args.plot)
 
 
+def refit(args: argparse.Namespace) -> None:
+    """Measure the real engine (or read samples measured before) and write
+    the fitted step-time model to --model."""
+    if args.measure:
+        samples, facts = measure(args.seconds)
+        write_samples(samples, facts, args.samples_out)
+    else:
+        samples, facts = read_samples(args.fit)
+    write_model(fit(samples, {**facts, "label": args.label} if args.label else facts), args.model)
+
+
 def verdict(runs: dict, giant: dict, policies) -> dict:
     out: dict = {}
     fleet_hit = runs.get("affinity@0.5", {}).get("prefix_hit_rate")
@@ -163,10 +187,13 @@ def verdict(runs: dict, giant: dict, policies) -> dict:
         out["prefix_hit_vs_giant"] = {"value": round(ratio, 3), "met": ratio >= TARGETS["prefix_hit_vs_giant"]}
     for policy in policies:
         half, over = runs[f"{policy}@0.5"]["premium"], runs[f"{policy}@3x"]["premium"]
-        ratio = _ratio(over["ttft_p99_s"], half["ttft_p99_s"])
-        out[policy] = {"premium_p99_overload_vs_half": ratio, "premium_429": over["refused_429"] + half["refused_429"],
-                       "met": ratio is not None and ratio <= TARGETS["premium_p99_overload_vs_half"]
-                       and over["refused_429"] + half["refused_429"] == 0}
+        # A p99 past the end of the run (a premium request with no first
+        # token when it was cut off) is unbounded, not missing.
+        ratio = "unbounded" if over["ttft_p99_s"] == "inf" else _ratio(over["ttft_p99_s"], half["ttft_p99_s"])
+        refused = over["refused_429"] + half["refused_429"]
+        out[policy] = {"premium_p99_overload_vs_half": ratio, "premium_429": refused,
+                       "met": isinstance(ratio, float) and ratio <= TARGETS["premium_p99_overload_vs_half"]
+                       and refused == 0}
     return out
 
 
@@ -192,8 +219,12 @@ def plot(runs: dict, policies, path: str) -> None:
     width = 0.8 / len(policies)
     for ax, tier in zip(axes, Tier):
         for i, policy in enumerate(policies):
-            values = [runs[f"{policy}@{load}"][tier.value]["ttft_p99_s"] or math.nan for load in LOADS]
-            ax.bar([x + i * width for x in range(len(LOADS))], values, width, label=policy)
+            values = [runs[f"{policy}@{load}"][tier.value]["ttft_p99_s"] for load in LOADS]
+            xs = [x + i * width for x in range(len(LOADS))]
+            ax.bar(xs, [v if isinstance(v, float) else math.nan for v in values], width, label=policy)
+            for x, v in zip(xs, values):
+                if v == "inf":  # some request had no first token when the run ended
+                    ax.annotate("no first\ntoken", (x, 1.0), ha="center", fontsize=7)
         ax.set_xticks([x + width * (len(policies) - 1) / 2 for x in range(len(LOADS))],
                       ["load 0.5", "3x standard overload"])
         ax.set_title(f"{tier.value} TTFT p99")
@@ -219,15 +250,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _ratio(a, b):
-    return None if a is None or not b else round(a / b, 3)
+    return None if not b else round(a / b, 3)
 
 
 def _finite(x: float):
-    return None if x is None or math.isnan(x) or math.isinf(x) else round(x, 4)
+    """JSON has no infinity: "inf" is a p99 that some request never reached."""
+    if math.isnan(x):
+        return None
+    return "inf" if math.isinf(x) else round(x, 4)
 
 
 def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
+    return x if isinstance(x, str) else "-" if x is None else f"{x:.3f}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -236,15 +270,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker (16 tokens each)")
     parser.add_argument("--max-loras", type=int, default=4, help="adapter slots per worker")
-    parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per phase")
-    parser.add_argument("--grace", type=float, default=10.0, help="simulated seconds to drain before aborting")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--duration", type=float, default=None,
+                        help=f"simulated seconds of arrivals per phase; default: {STEPS_PER_PHASE} typical steps")
+    parser.add_argument("--grace", type=float, default=None,
+                        help="simulated seconds to drain before aborting; default: --duration")
+    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=POLICIES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="the step-time model's JSON")
     parser.add_argument("--out", default="benchmarks/results/fleet_sim.json")
     parser.add_argument("--plot", default="docs/img/fleet_sim_ttft.png")
     parser.add_argument("--measure", action="store_true", help="measure the real engine and re-fit --model")
-    parser.add_argument("--seconds", type=float, default=60.0, help="with --measure: measuring time")
+    parser.add_argument("--fit", metavar="SAMPLES", help="re-fit --model from samples --measure wrote")
+    parser.add_argument("--seconds", type=float, default=70.0, help="with --measure: time in the engine's phases")
+    parser.add_argument("--samples-out", default="benchmarks/results/step_time_samples.json")
+    parser.add_argument("--label", default="", help="with --measure/--fit: the machine and its load, in words")
     return parser.parse_args()
 
 

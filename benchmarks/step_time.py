@@ -13,8 +13,8 @@ whole context), `distinct_adapters` the LoRA adapters in the batch (one
 segment each in the SGMV kernels) and `adapter_loads` the host-to-slot
 copies the step made.
 
-    python benchmarks/step_time.py --measure [--seconds 60] [--out PATH]
-    python benchmarks/step_time.py --fit SAMPLES.json [--out MODEL.json]
+    python benchmarks/fleet_sim.py --measure [--seconds 70] [--label "..."]
+    python benchmarks/fleet_sim.py --fit SAMPLES.json [--label "..."]
 
 `--measure` drives the offline engine (`engine.LLM`) with random LoRA
 adapters (benchmarks/multi_lora.py's) and the throughput workload
@@ -28,7 +28,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/throughput.py
 
-import argparse
 import json
 import random
 import tempfile
@@ -97,18 +96,30 @@ class StepTimeModel:
 
 
 def fit(samples: list[tuple[StepFeatures, float]], measured_on: dict) -> StepTimeModel:
-    """Ordinary least squares over the samples; R^2 on the same samples."""
+    """Least squares over the samples, every coefficient >= 0: a feature
+    whose coefficient comes out negative (noise, on a loaded host, or too
+    few samples that vary it) is fixed at zero and the rest refitted, since
+    no feature of a step makes it faster. R^2 on the same samples."""
     if len(samples) < len(FEATURES) + 1:
         raise ValueError(f"{len(samples)} samples cannot fit {len(FEATURES) + 1} coefficients")
     x = np.array([f.row() for f, _ in samples])
     y = np.array([t for _, t in samples])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[active], *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        negative = [i for i in active if i > 0 and coef[i] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda i: coef[i]))
     residual = y - x @ coef
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float((residual ** 2).sum()) / total if total > 0 else 0.0
     return StepTimeModel(intercept_s=float(coef[0]),
                          coefficients_s={name: float(c) for name, c in zip(FEATURES, coef[1:])},
-                         r2=round(r2, 4), num_samples=len(samples), measured_on=measured_on)
+                         r2=round(r2, 4), num_samples=len(samples),
+                         measured_on={**measured_on, "fixed_at_zero": [FEATURES[i - 1] for i in range(1, x.shape[1])
+                                                                       if i not in active]})
 
 
 def read_samples(path: Path | str) -> tuple[list[tuple[StepFeatures, float]], dict]:
@@ -168,29 +179,15 @@ def measure(seconds: float, seed: int = 0) -> tuple[list[tuple[StepFeatures, flo
     return samples, facts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--measure", action="store_true", help="measure the engine, write samples, fit")
-    mode.add_argument("--fit", metavar="SAMPLES", help="fit a samples JSON written by --measure")
-    parser.add_argument("--seconds", type=float, default=60.0, help="measuring time, all phases together")
-    parser.add_argument("--samples-out", default="benchmarks/results/step_time_samples.json")
-    parser.add_argument("--out", default=str(DEFAULT_MODEL), help="the fitted model's JSON")
-    args = parser.parse_args()
-    if args.measure:
-        samples, facts = measure(args.seconds)
-        Path(args.samples_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.samples_out).write_text(json.dumps(
-            {"measured_on": facts, "samples": [{"features": asdict(f), "busy_s": t} for f, t in samples]}))
-        print(f"wrote {args.samples_out}")
-    else:
-        samples, facts = read_samples(args.fit)
-    model = fit(samples, facts)
-    Path(args.out).write_text(json.dumps(model.to_json(), indent=2) + "\n")
+def write_samples(samples: list[tuple[StepFeatures, float]], facts: dict, path: Path | str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(
+        {"measured_on": facts, "samples": [{"features": asdict(f), "busy_s": t} for f, t in samples]}))
+    print(f"wrote {path}")
+
+
+def write_model(model: StepTimeModel, path: Path | str) -> None:
+    Path(path).write_text(json.dumps(model.to_json(), indent=2) + "\n")
     print(json.dumps({"intercept_s": model.intercept_s, **model.coefficients_s, "r2": model.r2,
                       "samples": model.num_samples}, indent=2))
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    print(f"wrote {path}")
