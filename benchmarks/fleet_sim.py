@@ -99,7 +99,8 @@ def summarize(run: FleetRun, warmup_s: float, duration_s: float) -> dict:
     prompt = sum(r.request.num_prompt_tokens for r in started)
     cached = sum(r.request.num_cached_prompt_tokens for r in started)
     out["prefix_hit_rate"] = round(cached / prompt, 4) if prompt else None
-    finished = [r for r in window if r.status == "finished"]
+    # Throughput inside the window, whenever those requests arrived.
+    finished = [r for r in run.records if r.status == "finished" and warmup_s <= r.finish_t < duration_s]
     out["finished_per_s"] = round(len(finished) / (duration_s - warmup_s), 2)
     snaps = [w.snapshot for w in run.workers if w.snapshot is not None]
     out["adapter_loads"] = sum(s.adapter_loads for s in snaps)
