@@ -8,7 +8,8 @@ the gateway's real admission controller and router sit in front
   capacity  standard only, offered at twice an estimate of what the fleet
             can serve, affinity routing: finished requests/s over the
             second half is the fleet's capacity, the unit of every load.
-  policies  for each routing policy (affinity, round-robin, least-loaded),
+  policies  for each routing policy (affinity and round-robin; with
+            `--policies` also least-loaded, a simulation-only baseline),
             premium at 10% of capacity plus standard at 40% (load 0.5) and
             at 300% (3x overload).
   giant     one worker with the fleet's total KV cache, slots, batch and
