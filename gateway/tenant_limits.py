@@ -57,7 +57,8 @@ class TenantLimiter(abc.ABC):
     retry delay, and may raise `ServiceUnavailable` when the limits cannot
     be judged at all. `check` takes nothing; `acquire` atomically checks and
     takes one request, `tokens` tokens and a concurrency slot, returned as a
-    hold whose `release` gives them back. A bucket over its capacity is
+    hold whose `release` gives them back (`settle` waits for releases still
+on their way). A bucket over its capacity is
     never refused forever: a cost above the capacity fits once it is full.
     A tenant's changed limits apply from its next request (its buckets
     start full again). `start`/`stop` bracket the app's life; `stop` waits
@@ -74,6 +75,9 @@ class TenantLimiter(abc.ABC):
 
     async def start(self) -> None:
         pass
+
+    async def settle(self) -> None:
+        """Wait until every release made so far has taken effect."""
 
     async def stop(self) -> None:
         pass

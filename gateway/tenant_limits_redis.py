@@ -208,9 +208,12 @@ class RedisTenantLimiter(TenantLimiter):
     def health(self) -> LimiterHealth:
         return LimiterHealth(backend="redis", shared=True)
 
-    async def stop(self) -> None:
+    async def settle(self) -> None:
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.settle()
         await self._client.aclose()
 
 
@@ -276,6 +279,9 @@ class FailoverLimiter(TenantLimiter):
             await self.shared.ping()
         except LimiterUnavailable as exc:
             self._went_down(str(exc))
+
+    async def settle(self) -> None:
+        await self.shared.settle()
 
     async def stop(self) -> None:
         await self.shared.stop()
