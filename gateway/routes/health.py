@@ -34,9 +34,10 @@ async def health(request: Request) -> JSONResponse:
     status = fleet.status
     if status is Health.OK and not limiter.up:
         status = Health.DEGRADED
-    body = {"status": status.value, "workers": fleet.workers,
-            "tenant_limits": {"backend": limiter.backend, "shared": limiter.shared, "up": limiter.up}
-            | ({"detail": limiter.detail} if limiter.detail else {})}
+    body = {"status": status.value, "workers": fleet.workers}
+    if limiter.backend != "memory":  # a single gateway's /health is as it always was
+        body["tenant_limits"] = ({"backend": limiter.backend, "shared": limiter.shared, "up": limiter.up}
+                                 | ({"detail": limiter.detail} if limiter.detail else {}))
     return JSONResponse(body, status_code=503 if status is Health.UNAVAILABLE else 200)
 
 
