@@ -10,14 +10,17 @@ Two kinds of limit, checked in this order:
    takes a premium request's place: premium has its own budget.
 2. Per tenant: concurrent requests, requests per minute and tokens per
    minute (prompt plus max_tokens, refunded down to what was generated when
-   the request ends). Rates are token buckets refilled continuously.
+   the request ends), judged by a `TenantLimiter` (gateway/tenant_limits.py):
+   in this process, or in Redis so that they hold across gateway replicas.
 
+The tier limits describe this gateway's own queue and stay in memory.
 `precheck` runs the tenant limits alone before the request is parsed, at
 the least cost any request has, and `admit` runs everything once the prompt
-is tokenized. Everything runs on the event loop, so there are no locks; time comes from
-the injected clock, so tests never sleep. With tiers off (the FCFS baseline
-of benchmarks/tiers.py) the tier limits are skipped; tenant limits, being
-part of each tenant's contract, still hold.
+is tokenized. Both are coroutines because the tenant limiter may need I/O;
+the tier state is touched only on the event loop, so there are no locks.
+Time comes from the injected clock, so tests never sleep. With tiers off
+(the FCFS baseline of benchmarks/tiers.py) the tier limits are skipped;
+tenant limits, being part of each tenant's contract, still hold.
 """
 
 from __future__ import annotations
@@ -30,47 +33,11 @@ from gateway.config import TierLimits
 from gateway.engine_client import KVCapacity
 from gateway.errors import RateLimited
 from gateway.tenancy import Principal, Tier
+from gateway.tenant_limits import InMemoryTenantLimiter, LimiterHealth, TenantHold, TenantLimiter
 
 # How many recent first-token times estimate a tier's drain rate.
 _RATE_WINDOW = 32
-# Tenant states are swept for idle ones once there are this many, then
-# whenever their number doubles since the last sweep.
-_MIN_SWEEP_AT = 1024
 _DEFAULT_RETRY_S = 1.0
-
-
-class TokenBucket:
-    """`capacity` units, refilled at `capacity` per `period_s`."""
-
-    def __init__(self, capacity: int, period_s: float, now: float):
-        self.capacity = capacity
-        self.rate = capacity / period_s
-        self.level = float(capacity)
-        self.stamp = now
-
-    def _refill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def wait_time(self, cost: int, now: float) -> float:
-        """Seconds until `cost` units fit; 0 if they fit now. A cost above the
-        capacity fits once the bucket is full (it then runs into debt), so an
-        oversized request is delayed, never refused forever."""
-        self._refill(now)
-        need = min(cost, self.capacity)
-        return 0.0 if self.level >= need else (need - self.level) / self.rate
-
-    def take(self, cost: int, now: float) -> None:
-        self._refill(now)
-        self.level -= cost
-
-    def give_back(self, amount: int, now: float) -> None:
-        self._refill(now)
-        self.level = min(self.capacity, self.level + amount)
-
-    def full(self, now: float) -> bool:
-        self._refill(now)
-        return self.level >= self.capacity
 
 
 @dataclass
@@ -95,28 +62,15 @@ class _TierState:
         return max(_DEFAULT_RETRY_S, 1.0 / rate)
 
 
-@dataclass
-class _TenantState:
-    active: int = 0
-    requests: TokenBucket | None = None
-    tokens: TokenBucket | None = None
-    limits_seen: tuple = ()
-
-    def idle(self, now: float) -> bool:
-        """No request in flight and every bucket full again: the same as a
-        fresh state, so it can be forgotten."""
-        return self.active == 0 and all(b is None or b.full(now) for b in (self.requests, self.tokens))
-
-
 class Ticket:
     """One admitted request's hold on the queues. `started()` when its first
     output arrives, `release()` when it ends; both are idempotent."""
 
-    def __init__(self, controller: AdmissionController, tier: Tier, tenant_id: str,
+    def __init__(self, controller: AdmissionController, tier: Tier, hold: TenantHold,
                  prompt_tokens: int, reserved_tokens: int):
         self._controller = controller
         self.tier = tier
-        self.tenant_id = tenant_id
+        self._hold = hold
         self.prompt_tokens = prompt_tokens
         self.reserved_tokens = reserved_tokens
         self._waiting = True
@@ -136,23 +90,20 @@ class Ticket:
             self._waiting = False
             self._controller._leave_queue(self, started=False)
         self._released = True
-        self._controller._finish(self, completion_tokens)
+        unused = 0 if completion_tokens is None else max(0, self.reserved_tokens - completion_tokens)
+        self._hold.release(unused)
 
 
 class AdmissionController:
     def __init__(self, tiers: dict[Tier, TierLimits], capacity: Callable[[], KVCapacity], *,
-                 enabled: bool = True, clock: Callable[[], float]):
+                 enabled: bool = True, clock: Callable[[], float], tenant_limiter: TenantLimiter | None = None):
         self.enabled = enabled
         self._capacity = capacity
         self._clock = clock
         self._tiers = {tier: _TierState(limits) for tier, limits in tiers.items()}
-        # Keyed by tenant id; idle states are dropped (see `_sweep`), so
-        # this holds about the tenants active in the last minute, deleted
-        # tenants' included only until their buckets refill.
-        self._tenants: dict[str, _TenantState] = {}
-        self._sweep_at = _MIN_SWEEP_AT
+        self.tenant_limiter = tenant_limiter or InMemoryTenantLimiter(clock=clock)
 
-    def admit(self, principal: Principal, *, prompt_tokens: int, max_tokens: int) -> Ticket:
+    async def admit(self, principal: Principal, *, prompt_tokens: int, max_tokens: int) -> Ticket:
         """A ticket for the request, or RateLimited naming the limit hit.
         `max_tokens` is the most this request can generate (all n choices)."""
         now = self._clock()
@@ -160,23 +111,21 @@ class AdmissionController:
         tier = self._tiers[tenant.tier]
         if self.enabled:
             self._check_tier(tenant.tier, tier, prompt_tokens, now)
-        state = self._tenant_state(principal, now)
-        try:
-            self._check_tenant(tenant.name, tenant.limits, state, prompt_tokens + max_tokens, now)
-        except RateLimited as exc:
-            tier.rejected[exc.limit] += 1  # counted by the tenant's tier, for metrics
-            raise
-
-        state.active += 1
-        if state.requests is not None:
-            state.requests.take(1, now)
-        if state.tokens is not None:
-            state.tokens.take(prompt_tokens + max_tokens, now)
+        # The queue place is taken before the tenant limiter is awaited, so
+        # requests admitted meanwhile count it; given back if refused.
         tier.waiting += 1
         tier.queued_tokens += prompt_tokens
-        return Ticket(self, tenant.tier, tenant.id, prompt_tokens, max_tokens)
+        try:
+            hold = await self.tenant_limiter.acquire(tenant, prompt_tokens + max_tokens)
+        except BaseException as exc:
+            tier.waiting -= 1
+            tier.queued_tokens -= prompt_tokens
+            if isinstance(exc, RateLimited):
+                tier.rejected[exc.limit] += 1  # counted by the tenant's tier, for metrics
+            raise
+        return Ticket(self, tenant.tier, hold, prompt_tokens, max_tokens)
 
-    def precheck(self, principal: Principal) -> None:
+    async def precheck(self, principal: Principal) -> None:
         """RateLimited if the tenant is at its concurrency limit or out of
         requests (or tokens) per minute: checked before the request's body is
         read, parsed or tokenized, so a tenant over its limits costs the
@@ -184,11 +133,9 @@ class AdmissionController:
         one token, the least any request costs, so it refuses only what
         `admit` would refuse too; `admit` checks everything again, the tier
         limits and the real token count included."""
-        now = self._clock()
         tenant = principal.tenant
-        state = self._tenant_state(principal, now)
         try:
-            self._check_tenant(tenant.name, tenant.limits, state, 1, now)
+            await self.tenant_limiter.check(tenant, 1)
         except RateLimited as exc:
             self._tiers[tenant.tier].rejected[exc.limit] += 1
             raise
@@ -220,52 +167,11 @@ class AdmissionController:
                 f"({tier.queued_tokens} queued + {prompt_tokens} > {budget}); retry later",
                 limit="tier_kv_budget", retry_after_s=tier.drain_estimate_s(now))
 
-    def _check_tenant(self, name: str, limits, state: _TenantState, tokens: int, now: float) -> None:
-        if limits.max_concurrent is not None and state.active >= limits.max_concurrent:
-            raise RateLimited(f"tenant {name!r} is at its limit of {limits.max_concurrent} concurrent requests",
-                              limit="max_concurrent", retry_after_s=_DEFAULT_RETRY_S)
-        if state.requests is not None:
-            wait = state.requests.wait_time(1, now)
-            if wait > 0:
-                raise RateLimited(f"tenant {name!r} is over its limit of {limits.requests_per_minute} "
-                                  f"requests per minute", limit="requests_per_minute", retry_after_s=wait)
-        if state.tokens is not None:
-            wait = state.tokens.wait_time(tokens, now)
-            if wait > 0:
-                raise RateLimited(f"tenant {name!r} is over its limit of {limits.tokens_per_minute} "
-                                  f"tokens per minute", limit="tokens_per_minute", retry_after_s=wait)
-
     def queued_token_budget(self, tier: Tier) -> int:
         limits = self._tiers[tier].limits
         if limits.max_queued_tokens is not None:
             return limits.max_queued_tokens
         return int(self._capacity().usable_tokens(tier) * limits.kv_overcommit)
-
-    def _tenant_state(self, principal: Principal, now: float) -> _TenantState:
-        limits = principal.tenant.limits
-        state = self._tenants.get(principal.tenant.id)
-        if state is None:
-            if len(self._tenants) >= self._sweep_at:
-                self._sweep(now)
-            state = self._tenants[principal.tenant.id] = _TenantState()
-        seen = (limits.requests_per_minute, limits.tokens_per_minute)
-        if seen != state.limits_seen:  # new tenant, or its limits were updated
-            state.limits_seen = seen
-            state.requests = None if seen[0] is None else TokenBucket(seen[0], 60.0, now)
-            state.tokens = None if seen[1] is None else TokenBucket(seen[1], 60.0, now)
-        return state
-
-    def _sweep(self, now: float) -> None:
-        """Forget idle tenant states. Run when the map reaches `_sweep_at`,
-        which then doubles the live states left: amortized O(1) per new
-        tenant, and never more than about twice the non-idle states."""
-        for tenant_id in [t for t, s in self._tenants.items() if s.idle(now)]:
-            del self._tenants[tenant_id]
-        self._sweep_at = max(_MIN_SWEEP_AT, 2 * len(self._tenants))
-
-    def tracked_tenants(self) -> int:
-        """Tenant states held, for tests and metrics."""
-        return len(self._tenants)
 
     def _leave_queue(self, ticket: Ticket, *, started: bool) -> None:
         tier = self._tiers[ticket.tier]
@@ -274,16 +180,6 @@ class AdmissionController:
         if started:
             tier.starts.append(self._clock())
 
-    def _finish(self, ticket: Ticket, completion_tokens: int | None) -> None:
-        state = self._tenants.get(ticket.tenant_id)
-        if state is None:
-            return
-        state.active -= 1
-        if completion_tokens is not None and state.tokens is not None:
-            unused = ticket.reserved_tokens - completion_tokens
-            if unused > 0:
-                state.tokens.give_back(unused, self._clock())
-
     def snapshot(self) -> dict[str, dict]:
         """Per-tier queue state and rejection counts, for metrics. Rejection
         reasons: max_waiting and max_queued_tokens (the tier's limits), and
@@ -291,3 +187,6 @@ class AdmissionController:
         limits, counted under the tenant's tier)."""
         return {tier.value: {"waiting": s.waiting, "queued_tokens": s.queued_tokens,
                              "rejected": dict(s.rejected)} for tier, s in self._tiers.items()}
+
+    def limiter_health(self) -> LimiterHealth:
+        return self.tenant_limiter.health()

@@ -103,6 +103,37 @@ class WorkerPoolConfig:
                 raise ConfigError(f"--worker {endpoint}: a worker's address is tcp://HOST:PORT or ipc://PATH")
 
 
+@dataclass(frozen=True)
+class RedisLimitsConfig:
+    """Tenant limits shared by several gateway replicas through one Redis
+    (docs/gateway.md, "Several gateway replicas"). Without a URL they live
+    in each gateway's memory.
+
+    The default failure mode is `local`: an outage of the limits' store
+    then costs the limits' precision across replicas (each enforces them
+    alone, so a tenant spread over N replicas may get up to N times its
+    limits), not the service itself. `refuse` is for operators whose limits
+    must never be exceeded, at the price of 503s while Redis is down."""
+
+    # repr=False: a URL may carry Redis's password.
+    url: str | None = setting(None, repr=False,
+                              help="redis://[:password@]host:port/db holding the tenant limits, shared by every "
+                                   "replica that names it; unset: limits in this gateway's memory")
+    failure_mode: str = setting(
+        "local", choices=("local", "refuse"),
+        help="while Redis is unreachable: local (this gateway's in-memory limits, per replica) or refuse (503)")
+    # Longer than --max-stream-seconds, so that only a dead replica's holds lapse.
+    lease_s: float = setting(900.0, help="seconds a request's concurrency slot lasts in Redis unless released: "
+                                         "bounds what a replica that died mid-request leaves held")
+    timeout_s: float = setting(0.5, help="seconds to wait on Redis before judging it unreachable")
+
+    def __post_init__(self):
+        if self.failure_mode not in ("local", "refuse"):
+            raise ConfigError(f"--redis-failure-mode must be local or refuse, not {self.failure_mode!r}")
+        if self.lease_s <= 0 or self.timeout_s <= 0:
+            raise ConfigError("--redis-lease and --redis-timeout must be positive")
+
+
 def engine_threads_beside_the_server() -> int:
     """Intra-op threads for an engine that shares the machine with the HTTP
     server. The event loop needs a core of its own: when it preempts one of
@@ -190,6 +221,7 @@ class GatewayConfig:
         10_000, flag="--auth-cache-size",
         help="most keys (and, apart, adapter grants) held in the auth cache; least recently used go first")
     worker_pool: WorkerPoolConfig = section(WorkerPoolConfig, title="engine workers")
+    redis: RedisLimitsConfig = section(RedisLimitsConfig, prefix="redis-", title="tenant limits across replicas")
 
     def __post_init__(self):
         if self.admin_token is not None and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS:

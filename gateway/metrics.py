@@ -158,3 +158,8 @@ class _AdmissionCollector(Collector):
             for reason in sorted(set(REJECT_REASONS) | set(snap["rejected"])):
                 rejected.add_metric([tier, reason], snap["rejected"].get(reason, 0))
         yield from (waiting, queued, rejected)
+        limiter = self._admission.limiter_health()
+        if limiter.backend == "redis":  # only where --redis-url is set
+            yield GaugeMetricFamily(f"{PREFIX}redis_up", "1 while the tenant limits' Redis answers, 0 while "
+                                    "this gateway judges them by its --redis-failure-mode.",
+                                    value=1 if limiter.up else 0)

@@ -48,15 +48,18 @@ def build_gateway(config: GatewayConfig, *, engine: EngineClient | None = None, 
     judged against the fleet's capacity."""
     from gateway.admission import AdmissionController
     from gateway.store.sql import SqlStore
+    from gateway.tenant_limits import make_tenant_limiter
     from gateway.workers.fleet import build_fleet
 
     store = SqlStore.from_url(config.resolved_db_url())
     if engine is None:
         engine = build_fleet(config, log_level=log_level)
+    limiter = make_tenant_limiter(config, clock=time.monotonic)
     admission = AdmissionController({Tier.PREMIUM: config.premium, Tier.STANDARD: config.standard},
                                     lambda: engine.kv_capacity, enabled=config.enable_tiers,
-                                    clock=time.monotonic)
-    gateway = Gateway(config=config, store=store, engine=engine, admission=admission, clock=time.monotonic)
+                                    clock=time.monotonic, tenant_limiter=limiter)
+    gateway = Gateway(config=config, store=store, engine=engine, admission=admission, clock=time.monotonic,
+                      background=[limiter])
     add_observability(gateway, tracing=Tracing.from_env())
     add_billing(gateway)
     return gateway

@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Finds PostgreSQL and Redis for the session and reports the tests that
+# skipped for want of them (tests/stores.py).
+pytest_plugins = ["tests.stores"]
+
 # Triton reads this when a kernel is decorated: set it before any test module
 # imports a kernel, so a CPU-only machine runs every kernel in the interpreter.
 if not torch.cuda.is_available():

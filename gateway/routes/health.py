@@ -2,7 +2,8 @@
 
 Neither touches the store or waits on the engine: /health must answer in
 milliseconds even while the engines are saturated, so a busy replica is
-never restarted for being busy; it reads the workers' last heartbeats only. /ready turns 503 while the model loads, after it
+never restarted for being busy; it reads the workers' last heartbeats and
+the tenant limiter's last known state only. /ready turns 503 while the model loads, after it
 failed to load, and during the shutdown drain, so a load balancer stops
 sending work there.
 """
@@ -23,11 +24,21 @@ def routes() -> list[Route]:
 
 async def health(request: Request) -> JSONResponse:
     """200 while some engine is up or still loading for the first time
-    ("ok", or "degraded" with the workers that are down); 503 when none is
-    up ("unavailable")."""
-    fleet = gateway_of(request).engine.health()
-    body = {"status": fleet.status.value, "workers": fleet.workers}
-    return JSONResponse(body, status_code=503 if fleet.status is Health.UNAVAILABLE else 200)
+    ("ok", or "degraded" with the workers that are down, or while the
+    tenant limits' Redis is unreachable); 503 when no engine is up
+    ("unavailable"). A Redis outage is never a 503 here: restarting the
+    replica would not bring Redis back."""
+    gw = gateway_of(request)
+    fleet = gw.engine.health()
+    limiter = gw.admission.limiter_health()
+    status = fleet.status
+    if status is Health.OK and not limiter.up:
+        status = Health.DEGRADED
+    body = {"status": status.value, "workers": fleet.workers}
+    if limiter.backend != "memory":  # a single gateway's /health is as it always was
+        body["tenant_limits"] = ({"backend": limiter.backend, "shared": limiter.shared, "up": limiter.up}
+                                 | ({"detail": limiter.detail} if limiter.detail else {}))
+    return JSONResponse(body, status_code=503 if status is Health.UNAVAILABLE else 200)
 
 
 async def ready(request: Request) -> JSONResponse:

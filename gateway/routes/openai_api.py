@@ -102,11 +102,11 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
         raise not_found from None
 
 
-def _precheck(gw, principal: Principal, *, chat: bool) -> None:
+async def _precheck(gw, principal: Principal, *, chat: bool) -> None:
     """The tenant's own limits, before any work a tenant over them could make
     us do (reading, parsing, tokenizing); a refusal is traced like admit's."""
     try:
-        gw.admission.precheck(principal)
+        await gw.admission.precheck(principal)
     except RateLimited:
         with admission_span(gw.tracing, principal, model=None, chat=chat):
             raise
@@ -118,7 +118,7 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
         raise ServiceUnavailable("the server is shutting down; retry on another replica", code="draining",
                                  headers={"Retry-After": "1"})
     principal = await require_principal(request)
-    _precheck(gw, principal, chat=chat)
+    await _precheck(gw, principal, chat=chat)
     # JSON parsing, templating and tokenizing run on worker threads (a
     # bounded number), never on the event loop.
     body = await to_thread.run_sync(parse_body, await request.body(), schema, limiter=gw.prepare_limiter)
@@ -126,7 +126,7 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     prepared = await to_thread.run_sync(prepare, body, gw.engine, limiter=gw.prepare_limiter)
     params = prepared.params
     with admission_span(gw.tracing, principal, model=body.model, chat=chat):
-        ticket = gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
+        ticket = await gw.admission.admit(principal, prompt_tokens=len(prepared.prompt_ids),
                                     max_tokens=params.max_tokens * params.n)
     # Unique even when a client sends the same X-Request-Id again: the ledger keys on it.
     request_id = f"{request.state.request_id}-{uuid.uuid4().hex}"

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.store import schema
-
-POSTGRES_ENV = "LORAGW_TEST_POSTGRES_URL"
+from tests.stores import POSTGRES_ENV, REDIS_ENV, unavailable
 
 
 @pytest.fixture
@@ -35,16 +34,34 @@ async def _reset_postgres(url: str) -> None:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request, tmp_path) -> str:
-    """A freshly migrated database: a SQLite file, or the PostgreSQL database
-    named by $LORAGW_TEST_POSTGRES_URL emptied first (so reruns pass)."""
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
-    else:
-        url = os.environ.get(POSTGRES_ENV)
-        if not url:
-            pytest.skip(f"{POSTGRES_ENV} is not set")
-        asyncio.run(_reset_postgres(url))
+    """A freshly migrated database: a SQLite file, or the session's
+    PostgreSQL database (tests/stores.py) emptied first (so reruns pass)."""
+    if request.param == "postgres":
+        return request.getfixturevalue("postgres_url")
+    url = f"sqlite+aiosqlite:///{tmp_path / 'loragw.db'}"
     schema.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    """The session's PostgreSQL database, emptied and migrated."""
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        pytest.skip(unavailable("PostgreSQL"))
+    asyncio.run(_reset_postgres(url))
+    schema.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The session's Redis database (tests/stores.py). Not flushed: the
+    tests key everything by fresh tenant ids, so runs sharing it never meet."""
+    url = os.environ.get(REDIS_ENV)
+    if not url:
+        pytest.skip(unavailable("Redis"))
+    pytest.importorskip("redis", reason="Redis: the redis package is not installed (pip install 'loragw[redis]')")
     return url
 
 

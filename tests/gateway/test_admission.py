@@ -10,6 +10,8 @@ from gateway.engine_client import KVCapacity
 from gateway.errors import RateLimited
 from gateway.tenancy import Principal, Tenant, TenantLimits, Tier
 
+pytestmark = pytest.mark.anyio
+
 
 class Clock:
     def __init__(self):
@@ -29,26 +31,26 @@ def controller(clock, *, enabled=True, capacity=KVCapacity(total_tokens=1000, pr
                                enabled=enabled, clock=clock)
 
 
-def test_full_standard_queue_is_429_while_premium_still_admitted():
+async def test_full_standard_queue_is_429_while_premium_still_admitted():
     ctl = controller(Clock())
     std = principal("flood", Tier.STANDARD)
-    held = [ctl.admit(std, prompt_tokens=10, max_tokens=10) for _ in range(3)]
+    held = [await ctl.admit(std, prompt_tokens=10, max_tokens=10) for _ in range(3)]
     with pytest.raises(RateLimited) as info:
-        ctl.admit(std, prompt_tokens=10, max_tokens=10)
+        await ctl.admit(std, prompt_tokens=10, max_tokens=10)
     assert info.value.status == 429 and info.value.code == "tier_queue_full"
     assert "standard" in info.value.message and int(info.value.headers["Retry-After"]) >= 1
     vip = principal("vip", Tier.PREMIUM)
-    premium_tickets = [ctl.admit(vip, prompt_tokens=10, max_tokens=10) for _ in range(4)]
+    premium_tickets = [await ctl.admit(vip, prompt_tokens=10, max_tokens=10) for _ in range(4)]
     assert len(premium_tickets) == 4
     held[0].started()  # first token: no longer waiting, a standard slot frees
-    ctl.admit(std, prompt_tokens=10, max_tokens=10)
+    await ctl.admit(std, prompt_tokens=10, max_tokens=10)
     assert ctl.snapshot()["standard"]["rejected"] == {"max_waiting": 1}
 
 
-def test_started_and_release_are_idempotent_and_free_the_queue_once():
+async def test_started_and_release_are_idempotent_and_free_the_queue_once():
     ctl = controller(Clock())
     std = principal("a", Tier.STANDARD)
-    ticket = ctl.admit(std, prompt_tokens=7, max_tokens=3)
+    ticket = await ctl.admit(std, prompt_tokens=7, max_tokens=3)
     assert ctl.snapshot()["standard"]["queued_tokens"] == 7
     ticket.started()
     ticket.started()
@@ -57,149 +59,149 @@ def test_started_and_release_are_idempotent_and_free_the_queue_once():
     snap = ctl.snapshot()["standard"]
     assert snap["waiting"] == 0 and snap["queued_tokens"] == 0
     # A request that ends before its first token (abort, error) leaves the queue too.
-    other = ctl.admit(std, prompt_tokens=5, max_tokens=3)
+    other = await ctl.admit(std, prompt_tokens=5, max_tokens=3)
     other.release()
     assert ctl.snapshot()["standard"]["waiting"] == 0
 
 
-def test_queued_tokens_are_bounded_by_the_tiers_kv_share():
+async def test_queued_tokens_are_bounded_by_the_tiers_kv_share():
     # standard may use 1000 - 200 reserved = 800 tokens of KV; overcommit 1.5 -> 1200.
     ctl = controller(Clock(), standard=TierLimits(max_waiting=100, kv_overcommit=1.5),
                      premium=TierLimits(max_waiting=100, kv_overcommit=1.0))
     assert ctl.queued_token_budget(Tier.STANDARD) == 1200
     assert ctl.queued_token_budget(Tier.PREMIUM) == 1000
     std = principal("s", Tier.STANDARD)
-    ctl.admit(std, prompt_tokens=700, max_tokens=1)
-    ctl.admit(std, prompt_tokens=500, max_tokens=1)
+    await ctl.admit(std, prompt_tokens=700, max_tokens=1)
+    await ctl.admit(std, prompt_tokens=500, max_tokens=1)
     with pytest.raises(RateLimited) as info:
-        ctl.admit(std, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "tier_kv_budget"
     # The premium budget is separate.
-    ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=999, max_tokens=1)
+    await ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=999, max_tokens=1)
 
 
-def test_an_oversized_prompt_is_admitted_into_an_empty_queue():
+async def test_an_oversized_prompt_is_admitted_into_an_empty_queue():
     ctl = controller(Clock(), standard=TierLimits(max_waiting=10, max_queued_tokens=100))
-    ctl.admit(principal("s", Tier.STANDARD), prompt_tokens=5000, max_tokens=1)
+    await ctl.admit(principal("s", Tier.STANDARD), prompt_tokens=5000, max_tokens=1)
 
 
-def test_tenant_concurrency_limit():
+async def test_tenant_concurrency_limit():
     ctl = controller(Clock(), standard=TierLimits(max_waiting=100))
     ten = principal("t", Tier.STANDARD, max_concurrent=2)
-    a = ctl.admit(ten, prompt_tokens=1, max_tokens=1)
-    ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+    a = await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+    await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited) as info:
-        ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "max_concurrent" and "'t'" in info.value.message
     a.release()
-    ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+    await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
 
 
-def test_requests_per_minute_refills_with_the_clock():
+async def test_requests_per_minute_refills_with_the_clock():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100))
     ten = principal("t", Tier.STANDARD, requests_per_minute=6)  # one per 10 s
     for _ in range(6):
-        ctl.admit(ten, prompt_tokens=1, max_tokens=1).release()
+        (await ctl.admit(ten, prompt_tokens=1, max_tokens=1)).release()
     with pytest.raises(RateLimited) as info:
-        ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "requests_per_minute"
     assert info.value.headers["Retry-After"] == "10"
     clock.now += 9.0
     with pytest.raises(RateLimited) as info:
-        ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
     assert info.value.headers["Retry-After"] == "1"
     clock.now += 1.0
-    ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+    await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
 
 
-def test_tokens_per_minute_reserves_max_tokens_and_refunds_the_unused_part():
+async def test_tokens_per_minute_reserves_max_tokens_and_refunds_the_unused_part():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100))
     ten = principal("t", Tier.STANDARD, tokens_per_minute=600)  # 10 tokens/s
-    first = ctl.admit(ten, prompt_tokens=100, max_tokens=400)
+    first = await ctl.admit(ten, prompt_tokens=100, max_tokens=400)
     with pytest.raises(RateLimited) as info:
-        ctl.admit(ten, prompt_tokens=100, max_tokens=100)  # 100 left, 200 needed
+        await ctl.admit(ten, prompt_tokens=100, max_tokens=100)  # 100 left, 200 needed
     assert info.value.code == "tokens_per_minute" and info.value.headers["Retry-After"] == "10"
     first.release(completion_tokens=50)  # 350 of the 400 reserved come back
-    ctl.admit(ten, prompt_tokens=100, max_tokens=100)
+    await ctl.admit(ten, prompt_tokens=100, max_tokens=100)
 
 
-def test_limits_update_takes_effect_on_the_next_request():
+async def test_limits_update_takes_effect_on_the_next_request():
     ctl = controller(Clock(), standard=TierLimits(max_waiting=100))
-    ctl.admit(principal("t", Tier.STANDARD, requests_per_minute=1), prompt_tokens=1, max_tokens=1)
+    await ctl.admit(principal("t", Tier.STANDARD, requests_per_minute=1), prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited):
-        ctl.admit(principal("t", Tier.STANDARD, requests_per_minute=1), prompt_tokens=1, max_tokens=1)
-    ctl.admit(principal("t", Tier.STANDARD, requests_per_minute=100), prompt_tokens=1, max_tokens=1)
+        await ctl.admit(principal("t", Tier.STANDARD, requests_per_minute=1), prompt_tokens=1, max_tokens=1)
+    await ctl.admit(principal("t", Tier.STANDARD, requests_per_minute=100), prompt_tokens=1, max_tokens=1)
 
 
-def test_with_tiers_off_tier_limits_are_skipped_but_tenant_limits_hold():
+async def test_with_tiers_off_tier_limits_are_skipped_but_tenant_limits_hold():
     ctl = controller(Clock(), enabled=False, standard=TierLimits(max_waiting=1))
     ten = principal("t", Tier.STANDARD, max_concurrent=3)
     for _ in range(3):
-        ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited) as info:
-        ctl.admit(ten, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(ten, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "max_concurrent"
 
 
-def test_retry_after_follows_the_tiers_recent_start_rate():
+async def test_retry_after_follows_the_tiers_recent_start_rate():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=1))
     std = principal("s", Tier.STANDARD)
     for _ in range(4):  # one first token every 3 s
-        ctl.admit(std, prompt_tokens=1, max_tokens=1).started()
+        (await ctl.admit(std, prompt_tokens=1, max_tokens=1)).started()
         clock.now += 3.0
-    ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited) as info:
-        ctl.admit(std, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     # 4 starts over 12 s since the first: a slot frees about every 3 s.
     assert info.value.headers["Retry-After"] == "3"
 
 
-def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
+async def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
     std = principal("s", Tier.STANDARD)
     for _ in range(5):  # the tier starts one request a second
-        ctl.admit(std, prompt_tokens=1, max_tokens=1).started()
+        (await ctl.admit(std, prompt_tokens=1, max_tokens=1)).started()
         clock.now += 1.0
-    held = [ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(5)]  # the 5th expects 5 s
+    held = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(5)]  # the 5th expects 5 s
     with pytest.raises(RateLimited) as info:
-        ctl.admit(std, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "tier_queue_wait" and info.value.headers["Retry-After"] == "1"
     held[0].started()  # one left the queue: the next fits again
-    ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     # Premium, with no bound of its own, is not affected.
     for _ in range(4):  # up to its own max_waiting
-        ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=1, max_tokens=1)
+        await ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=1, max_tokens=1)
 
 
-def test_precheck_refuses_only_what_admit_would_and_takes_nothing():
+async def test_precheck_refuses_only_what_admit_would_and_takes_nothing():
     clock = Clock()
     ctl = controller(clock)
     tenant = principal("a", Tier.STANDARD, max_concurrent=2, requests_per_minute=2, tokens_per_minute=100)
     for _ in range(5):
-        ctl.precheck(tenant)  # takes no request, token or seat
-    first = ctl.admit(tenant, prompt_tokens=60, max_tokens=40)  # spends the whole token budget
+        await ctl.precheck(tenant)  # takes no request, token or seat
+    first = await ctl.admit(tenant, prompt_tokens=60, max_tokens=40)  # spends the whole token budget
     with pytest.raises(RateLimited) as info:
-        ctl.precheck(tenant)
+        await ctl.precheck(tenant)
     assert info.value.code == "tokens_per_minute"
     with pytest.raises(RateLimited):
-        ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
     first.release(completion_tokens=0)  # refunds 40 tokens
-    ctl.precheck(tenant)
-    second = ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
+    await ctl.precheck(tenant)
+    second = await ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited) as info:
-        ctl.precheck(tenant)
+        await ctl.precheck(tenant)
     assert info.value.code == "requests_per_minute"
     clock.now += 60
-    held = ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
+    held = await ctl.admit(tenant, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited) as info:
-        ctl.precheck(tenant)  # second and held are running
+        await ctl.precheck(tenant)  # second and held are running
     assert info.value.code == "max_concurrent"
     second.release()
     held.release()
-    ctl.precheck(tenant)
+    await ctl.precheck(tenant)
     assert ctl.snapshot()["standard"]["rejected"] == {"tokens_per_minute": 2, "requests_per_minute": 1,
                                                       "max_concurrent": 1}

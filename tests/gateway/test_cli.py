@@ -97,6 +97,18 @@ def test_max_stream_seconds_flag_and_zero_for_no_limit(monkeypatch):
     assert _serve_config(_serve_args(["--max-stream-seconds", "90"])).max_stream_seconds == 90.0
 
 
+def test_redis_flags_and_their_variables(monkeypatch, capsys):
+    config = _serve_config(_serve_args([]))
+    assert config.redis.url is None and config.redis.failure_mode == "local"  # in memory, as before
+    monkeypatch.setenv("LORAGW_REDIS_URL", "redis://10.0.0.9:6379/2")
+    config = _serve_config(_serve_args(["--redis-failure-mode", "refuse"]))
+    assert config.redis.url == "redis://10.0.0.9:6379/2" and config.redis.failure_mode == "refuse"
+    assert "10.0.0.9" not in repr(config)  # a URL may hold a password
+    with pytest.raises(SystemExit):
+        _serve_args(["--redis-failure-mode", "ignore"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_edge_limit_flags_take_their_defaults_from_the_config(monkeypatch):
     from gateway.config import GatewayConfig
 

@@ -11,6 +11,7 @@ server tests (real uvicorn, tiny Llama) are in test_hostile_edge_live.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 
@@ -163,7 +164,8 @@ def test_rate_limit_before_parse_a_tenant_over_its_rpm_gets_429_for_any_body(db_
                          "invalid_request")
         # Spend the one request a minute (the clock is frozen, so it never refills).
         principal = call_store(client, "authenticate", client.key, now=now())
-        client.gateway.admission.admit(principal, prompt_tokens=1, max_tokens=1)
+        client.portal.call(functools.partial(client.gateway.admission.admit, principal, prompt_tokens=1,
+                                             max_tokens=1))
 
         malformed = client.post("/v1/completions", content=b"{not json", headers=client.tenant_headers)
         assert_error(malformed, 429, "requests_per_minute")
@@ -182,7 +184,8 @@ def test_rate_limit_before_parse_a_tenant_over_its_rpm_gets_429_for_any_body(db_
 def test_rate_limit_before_parse_a_tenant_at_its_concurrency_limit_gets_429(db_url):
     with edge_client(db_url, limits=TenantLimits(max_concurrent=1)) as client:
         principal = call_store(client, "authenticate", client.key, now=now())
-        ticket = client.gateway.admission.admit(principal, prompt_tokens=1, max_tokens=1)
+        ticket = client.portal.call(functools.partial(client.gateway.admission.admit, principal, prompt_tokens=1,
+                                                      max_tokens=1))
         assert_error(client.post("/v1/completions", content=b"[]", headers=client.tenant_headers), 429, "max_concurrent")
         ticket.release()
         assert_error(client.post("/v1/completions", content=b"[]", headers=client.tenant_headers), 400, "invalid_request")

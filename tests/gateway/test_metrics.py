@@ -22,6 +22,7 @@ import dataclasses
 from gateway.metrics import GatewayMetrics
 from gateway.routes.observability import metrics_app
 from gateway.tenancy import TenantLimits, Tier
+from gateway.tenant_limits import LimiterHealth
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.live import build_in_process_gateway, ADMIN_TOKEN, seed_tenants, start_live_server
 
@@ -42,6 +43,9 @@ class FakeAdmission:
     def snapshot(self):
         return {"premium": {"waiting": 0, "queued_tokens": 0, "rejected": {}},
                 "standard": {"waiting": 2, "queued_tokens": 30, "rejected": {"max_waiting": 3}}}
+
+    def limiter_health(self):
+        return LimiterHealth(backend="memory", shared=False)
 
 
 def fake_metrics(engine=None, **kwargs) -> GatewayMetrics:

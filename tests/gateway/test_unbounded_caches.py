@@ -13,12 +13,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing.meter import Account, Meter
 from engine.step_io import Preemption, RequestStepUsage, StepUsage
-from gateway.admission import _MIN_SWEEP_AT, AdmissionController
+from gateway.admission import AdmissionController
 from gateway.config import TierLimits
 from gateway.engine_client import KVCapacity
 from gateway.errors import RateLimited
 from gateway.metrics import OTHER, GatewayMetrics
 from gateway.tenancy import Principal, Tenant, TenantLimits, Tier
+from gateway.tenant_limits import _MIN_SWEEP_AT
 from tests.gateway.fakes import ManualClock
 
 
@@ -33,41 +34,43 @@ def _controller(clock) -> AdmissionController:
                                lambda: KVCapacity(total_tokens=10**6, premium_reserved_tokens=0), clock=clock)
 
 
-def test_unbounded_caches_admission_forgets_idle_and_deleted_tenants():
+@pytest.mark.anyio
+async def test_unbounded_caches_admission_forgets_idle_and_deleted_tenants():
     clock = ManualClock()
     ctl = _controller(clock)
     for batch in range(20):  # 10,000 tenants, 500 a minute, none seen twice
         for i in range(500):
             limits = {"requests_per_minute": 5, "tokens_per_minute": 1000} if i % 2 else {}
-            ctl.admit(_principal(f"t{batch}-{i}", **limits), prompt_tokens=5, max_tokens=5).release(
+            (await ctl.admit(_principal(f"t{batch}-{i}", **limits), prompt_tokens=5, max_tokens=5)).release(
                 completion_tokens=5)
-            assert ctl.tracked_tenants() <= _MIN_SWEEP_AT
+            assert ctl.tenant_limiter.tracked_tenants() <= _MIN_SWEEP_AT
         clock.now += 61  # every bucket of this batch is full again
     # A tenant that comes back after being forgotten starts as it would have: a full budget.
     back = _principal("t0-1", requests_per_minute=5, tokens_per_minute=1000)
-    tickets = [ctl.admit(back, prompt_tokens=5, max_tokens=5) for _ in range(5)]
+    tickets = [await ctl.admit(back, prompt_tokens=5, max_tokens=5) for _ in range(5)]
     with pytest.raises(RateLimited):
-        ctl.admit(back, prompt_tokens=5, max_tokens=5)
+        await ctl.admit(back, prompt_tokens=5, max_tokens=5)
     for t in tickets:
         t.release()
 
 
-def test_unbounded_caches_forgetting_idle_tenants_never_forgives_a_limited_one():
+@pytest.mark.anyio
+async def test_unbounded_caches_forgetting_idle_tenants_never_forgives_a_limited_one():
     clock = ManualClock()
     ctl = _controller(clock)
     hog = _principal("hog", requests_per_minute=1)
     busy = _principal("busy", max_concurrent=1)
-    ctl.admit(hog, prompt_tokens=1, max_tokens=1).release()
-    held = ctl.admit(busy, prompt_tokens=1, max_tokens=1)
+    (await ctl.admit(hog, prompt_tokens=1, max_tokens=1)).release()
+    held = await ctl.admit(busy, prompt_tokens=1, max_tokens=1)
     for i in range(3 * _MIN_SWEEP_AT):  # sweeps run; the flood's own states are idle at once
-        ctl.admit(_principal(f"flood-{i}"), prompt_tokens=1, max_tokens=1).release()
-    assert ctl.tracked_tenants() <= _MIN_SWEEP_AT
+        (await ctl.admit(_principal(f"flood-{i}"), prompt_tokens=1, max_tokens=1)).release()
+    assert ctl.tenant_limiter.tracked_tenants() <= _MIN_SWEEP_AT
     with pytest.raises(RateLimited, match="requests per minute"):
-        ctl.admit(hog, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(hog, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited, match="concurrent"):
-        ctl.admit(busy, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(busy, prompt_tokens=1, max_tokens=1)
     held.release()
-    ctl.admit(busy, prompt_tokens=1, max_tokens=1).release()
+    (await ctl.admit(busy, prompt_tokens=1, max_tokens=1)).release()
 
 
 def _usage(request_id: str) -> RequestStepUsage:
