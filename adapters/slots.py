@@ -109,8 +109,16 @@ class LoraSlotManager:
             self._loading[key] = self._pool.submit(self._load, key)
 
     def is_ready(self, key: Hashable) -> bool:
+        """True when `key` is on the host. A key neither there nor loading
+        was evicted from the host cache while its request waited (more
+        adapters queued than `max_cpu_loras`): it is loaded again, or the
+        request would wait forever."""
         with self._lock:
-            return key in self._host
+            if key in self._host:
+                return True
+            if key not in self._loading and key not in self._failed:
+                self._loading[key] = self._pool.submit(self._load, key)
+            return False
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until an in-flight load finishes (or `timeout` passes), so an

@@ -94,3 +94,20 @@ def test_unknown_adapter_and_disabled_lora_are_clear_errors(llm, tiny_llama_dir)
     with pytest.raises(ValidationError) as err:
         plain.generate("hi", GREEDY, adapter="a")
     assert err.value.param == "adapter"
+
+
+def test_more_queued_adapters_than_the_host_cache_holds_all_finish(tiny_llama_dir, adapter_dirs, tmp_path):
+    # One slot and one host entry for three adapters, all queued at once:
+    # loading one evicts another from the host before its request runs.
+    llm = LLM(str(tiny_llama_dir), data_dir=str(tmp_path), max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    for name in ("a", "a-v2", "b"):
+        llm.adapters.import_dir(name, adapter_dirs[name])
+    engine = llm.engine
+    for name in ("a", "a-v2", "b"):
+        engine.add_request(PROMPT, GREEDY, request_id=name, adapter=name)
+    finished = set()
+    for _ in range(2000):  # bounded: a request stranded without its adapter fails here, not hangs
+        finished |= {o.request_id for o in engine.step(final_only=True) if o.finished}
+        if not engine.has_unfinished():
+            break
+    assert finished == {"a", "a-v2", "b"}
