@@ -95,6 +95,30 @@ def test_custom_resources_are_the_only_objects_without_a_schema(rendered):
         validate(find(rendered["keda"], "ScaledObject", "loragw-worker"))
 
 
+def ray_pod_templates(docs: list[dict]) -> list[dict]:
+    spec = find(docs, "RayCluster", "loragw-ray")["spec"]
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def test_the_ray_clusters_pods_pass_the_pod_schema(rendered):
+    """KubeRay embeds Kubernetes' PodTemplateSpec: its pods are checked as one."""
+    for template in ray_pod_templates(rendered["ray"]):
+        validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template})
+
+
+def test_the_ray_heads_gateway_parses_with_loragw_and_finds_its_workers(rendered):
+    head = ray_pod_templates(rendered["ray"])[0]["spec"]["containers"][0]
+    script = " ".join(head["args"])
+    command = script[script.index("exec loragw ") + len("exec loragw "):].split()
+    config = serve_config(command, pod_env(head))
+    assert config.worker_pool.ray_address == "auto" and config.db_url == SECRET_VALUES["db-url"]
+    assert config.port == container_port(head, "http") and config.metrics_port == container_port(head, "metrics")
+    service = find(rendered["ray"], "Service", "loragw-ray-gateway")
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in head["ports"]}
+    gpu_group = find(rendered["ray"], "RayCluster", "loragw-ray")["spec"]["workerGroupSpecs"][0]
+    assert gpu_group["maxReplicas"] >= config.worker_pool.ray_max_workers
+
+
 def test_services_select_pods_and_name_their_ports(rendered):
     docs = rendered["base"]
     for service in (d for d in docs if d["kind"] == "Service"):
@@ -111,8 +135,12 @@ def test_probes_volumes_and_secrets_refer_to_what_exists(rendered):
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     secret_keys = documented_secret_keys()
     for _, template in pod_templates(docs):
+        volumes = {v["name"] for v in template["spec"]["volumes"]}
         for volume in template["spec"]["volumes"]:
-            assert volume["persistentVolumeClaim"]["claimName"] in claims
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+        for container in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes, container["name"]
         for container in template["spec"]["containers"]:
             ports = {p["name"] for p in container["ports"]}
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -133,17 +161,28 @@ def documented_secret_keys() -> set[str]:
     return set(re.findall(r"--from-(?:literal|file)=([a-z-]+)=", command[1]))
 
 
-# The Secret's worker-secret, as the pods' env gives it to loragw.
-SECRET_ENV = {"LORAGW_WORKER_SECRET": "s" * 32}
+# A value for each of the Secret's keys, to stand in for it in the pods' env.
+SECRET_VALUES = {
+    "db-url": "postgresql+asyncpg://loragw:pw@postgres:5432/loragw",
+    "admin-token": "a" * 32,
+    "worker-secret": "s" * 32,
+    "redis-url": "redis://:pw@redis:6379/0",
+}
+SECRET_ENV = {"LORAGW_WORKER_SECRET": SECRET_VALUES["worker-secret"]}
 
 
-def serve_config(args: list[str]):
+def pod_env(container: dict) -> dict[str, str]:
+    """The variables the container's env gives loragw, with SECRET_VALUES for the Secret."""
+    return {e["name"]: SECRET_VALUES[e["valueFrom"]["secretKeyRef"]["key"]] for e in container.get("env", [])}
+
+
+def serve_config(args: list[str], environ: dict[str, str] = SECRET_ENV):
     """`loragw ARGS...` (a serve command) as `loragw serve` configures itself."""
     from gateway.cli import _add_serve_parser, _serve_config
 
     parser = argparse.ArgumentParser(prog="loragw")
-    _add_serve_parser(parser.add_subparsers(dest="command"), SECRET_ENV)
-    return _serve_config(parser.parse_args(args), SECRET_ENV)
+    _add_serve_parser(parser.add_subparsers(dest="command"), environ)
+    return _serve_config(parser.parse_args(args), environ)
 
 
 def test_container_args_parse_with_loragw_itself(rendered):
@@ -151,14 +190,28 @@ def test_container_args_parse_with_loragw_itself(rendered):
 
     docs = rendered["base"]
     gateway = find(docs, "Deployment", "loragw-gateway")["spec"]["template"]["spec"]["containers"][0]
-    config = serve_config(gateway["args"])
-    assert config.worker_pool.workers == 0 and config.worker_pool.worker_secret == SECRET_ENV["LORAGW_WORKER_SECRET"]
+    config = serve_config(gateway["args"], pod_env(gateway))
+    assert config.worker_pool.workers == 0 and config.worker_pool.worker_secret == SECRET_VALUES["worker-secret"]
     assert config.port == container_port(gateway, "http") and config.metrics_port == container_port(gateway, "metrics")
     worker = find(docs, "StatefulSet", "loragw-worker")["spec"]["template"]["spec"]["containers"][0]
     assert worker["args"][0] == "worker"
     worker_config = parse_worker_args(worker["args"][1:], SECRET_ENV)
     assert worker_config.listen.endswith(f":{container_port(worker, 'worker')}")
     assert worker_config.metrics_port == container_port(worker, "metrics")
+
+
+def test_gateway_replicas_share_limits_and_ledger_and_roll_without_a_gap(rendered):
+    """Replicas are only safe with the limits in one Redis and the ledger in
+    one PostgreSQL; a rolling update that may stop a replica before its
+    successor is ready leaves nothing to serve."""
+    deployment = find(rendered["base"], "Deployment", "loragw-gateway")
+    gateway = deployment["spec"]["template"]["spec"]["containers"][0]
+    config = serve_config(gateway["args"], pod_env(gateway))
+    assert deployment["spec"]["replicas"] > 1
+    assert config.redis.url == SECRET_VALUES["redis-url"]
+    assert config.db_url == SECRET_VALUES["db-url"]
+    strategy = deployment["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate" and strategy["rollingUpdate"]["maxUnavailable"] == 0
 
 
 def container_port(container: dict, name: str) -> int:
