@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from engine.request import Tier
-from engine.worker import EXIT_ENGINE_FAILED, FAULT_AFTER_STEPS_ENV
+from engine.worker import EXIT_ENGINE_FAILED
+from engine.worker_loop import FAULT_AFTER_STEPS_ENV
 from gateway.engine_client import Health
 from tests.billing.live_helpers import ledger_records
 from tests.gateway.hangups import client_request_id, request_records_by_client
