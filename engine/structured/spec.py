@@ -66,7 +66,7 @@ class StructuredSpec:
         if depth > MAX_SCHEMA_DEPTH:
             raise ValidationError(param, f"the schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} "
                                          "are allowed")
-        return cls(SpecKind.JSON_SCHEMA, canonical_json(schema), param)
+        return cls(SpecKind.JSON_SCHEMA, canonical_json(schema, param), param)
 
     @classmethod
     def json_object(cls, param: str = "response_format") -> StructuredSpec:
@@ -85,7 +85,7 @@ class StructuredSpec:
             raise ValidationError(param, "choice must be a non-empty list of non-empty strings")
         if len(choices) > MAX_CHOICES:
             raise ValidationError(param, f"at most {MAX_CHOICES} choices are allowed, got {len(choices)}")
-        return cls(SpecKind.CHOICE, canonical_json(choices), param)
+        return cls(SpecKind.CHOICE, canonical_json(choices, param), param)
 
     @classmethod
     def grammar(cls, text: object, param: str = "structured_outputs.grammar") -> StructuredSpec:
@@ -94,13 +94,13 @@ class StructuredSpec:
         return cls(SpecKind.GRAMMAR, text, param)
 
 
-def canonical_json(value: object) -> str:
+def canonical_json(value: object, param: str = "response_format") -> str:
     """One spelling per JSON value, keys in their given order (a schema's
     property order is the order the output is generated in)."""
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:  # NaN, or a value that did not come from JSON
-        raise ValidationError("response_format", f"not a JSON value: {exc}") from None
+        raise ValidationError(param, f"not a JSON value: {exc}") from None
 
 
 def _depth(value: object) -> int:
