@@ -26,7 +26,10 @@ class GrammarRuntime:
     """Not thread-safe: one per model runner, used from the step loop."""
 
     def __init__(self, vocab_size: int):
+        # Imported here, not in the first constrained step: importing
+        # llguidance.torch takes about a second.
         import llguidance
+        import llguidance.torch  # noqa: F401
 
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
