@@ -121,3 +121,24 @@ def test_preempted_constrained_requests_resume_exactly(tiny_llama_dir, prompts, 
     assert engine.scheduler.kv.num_free_blocks() == 40
     engine.step()  # an ended sequence's state is dropped with the next step
     assert len(engine.core.runner.grammar) == 0
+
+
+def test_constraints_hold_with_an_adapter_a_stop_string_and_the_premium_tier(tiny_llama_dir, prompts, tmp_path):
+    from tests.adapters.conftest import build_peft_adapter
+
+    adapter_dir = tmp_path / "lora"
+    build_peft_adapter(tiny_llama_dir, adapter_dir, seed=5, r=4, lora_alpha=16,
+                       target_modules=["q_proj", "v_proj", "o_proj"])
+    llm = LLM(str(tiny_llama_dir), data_dir=str(tmp_path / "data"), max_loras=1, max_lora_rank=8)
+    llm.adapters.import_dir("lora", adapter_dir)
+    spec = StructuredSpec.regex(r"[0-9]{12}")
+    free = SamplingParams(temperature=0.0, max_tokens=40, structured=spec)
+    with_lora = [o.outputs[0].text for o in llm.generate(prompts, free, adapter="lora", tier="premium")]
+    base = [o.outputs[0].text for o in llm.generate(prompts, free)]
+    assert all(re.fullmatch(r"[0-9]{12}", t) for t in with_lora + base), with_lora + base
+    assert with_lora != base, "the adapter changed nothing under the constraint"
+    # A stop string cuts the constrained output where it first appears.
+    stop = SamplingParams(temperature=0.0, max_tokens=40, structured=spec, stop=["7"])
+    cut = [o.outputs[0].text for o in llm.generate(prompts, stop, adapter="lora", tier="premium")]
+    assert any("7" in t for t in with_lora), "no output to cut: pick another stop string"
+    assert cut == [t.split("7")[0] for t in with_lora]
