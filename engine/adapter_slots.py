@@ -12,6 +12,13 @@ steps it is *starving*: from then on no other adapter may be admitted (nor
 more requests of resident adapters, which would keep them resident), so the
 running ones drain within their remaining max_tokens and a slot frees.
 Base-model requests need no slot and always pass.
+
+Tiers. A premium request is never held back by a starving standard one,
+and when every slot is taken the scheduler frees one for the premium head
+by preempting the standard sequences of an adapter no premium sequence
+uses (`standard_only_adapter`), as it preempts standard work for KV blocks
+and seats. Without that, premium time to first token under overload is
+bounded by the slowest standard adapter to drain.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import enum
 from collections import Counter
 from typing import Callable, Hashable
 
-from engine.request import Request
+from engine.request import Request, Tier
 
 
 class SlotVerdict(enum.Enum):
@@ -45,7 +52,7 @@ class AdapterSlotPolicy:
         if not self.is_ready(key):
             return SlotVerdict.WAIT_LOAD
         starving = self._starving_key(step)
-        if starving is not None and key != starving:
+        if starving is not None and key != starving and req.tier is not Tier.PREMIUM:
             return SlotVerdict.WAIT_SLOT
         if key in self.running or len(self.running) < self.max_loras:
             return SlotVerdict.ADMIT
@@ -73,3 +80,19 @@ class AdapterSlotPolicy:
         if oldest is None or step - oldest[0] < self.max_wait_steps:
             return None
         return oldest[1]
+
+
+def standard_only_adapter(running: list[Request]) -> Hashable | None:
+    """The adapter whose slot costs least to free for a premium request: one
+    that only standard sequences use, the fewest of them; None if every
+    adapter in a slot serves a premium sequence."""
+    counts: Counter = Counter()
+    premium: set = set()
+    for req in running:
+        if req.adapter_key is None:
+            continue
+        counts[req.adapter_key] += 1
+        if req.tier is Tier.PREMIUM:
+            premium.add(req.adapter_key)
+    candidates = [key for key in counts if key not in premium]
+    return min(candidates, key=lambda key: counts[key]) if candidates else None

@@ -24,7 +24,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.adapter_slots import AdapterSlotPolicy, SlotVerdict
+from engine.adapter_slots import AdapterSlotPolicy, SlotVerdict, standard_only_adapter
 from engine.config import SchedulerConfig
 from engine.errors import ValidationError
 from engine.kv_cache_manager import KVCacheManager
@@ -284,7 +284,14 @@ class Scheduler:
         if not self.config.enable_tiers or not queue:
             return
         head = queue[0]
-        if self.adapters.verdict(head, self._step_id) is not SlotVerdict.ADMIT:
+        verdict = self.adapters.verdict(head, self._step_id)
+        if verdict is SlotVerdict.WAIT_SLOT:
+            # Every slot holds another adapter: free one that only standard work uses.
+            key = standard_only_adapter(self.running)
+            for victim in [r for r in self.running if key is not None and r.adapter_key == key]:
+                self._preempt(victim, plan, caused_by=head.request_id)
+            verdict = self.adapters.verdict(head, self._step_id)
+        if verdict is not SlotVerdict.ADMIT:
             return  # it could not run this step anyway
         chunk = min(head.num_tokens, plan.budget)
         needed = -(-chunk // self.block_size)

@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from engine.request import Tier
 from engine.snapshot import EngineSnapshot
 from gateway.router.base import (AdapterKey, Ranking, RouteRequest, RoutingPolicy, WorkerView,
                                  candidates)
@@ -59,13 +60,17 @@ class AffinityWeights:
     full_prefix_hit: float = 3.0
 
 
-def queue_depth(worker: WorkerView) -> int:
-    """Requests that would run before this one: the snapshot's waiting, plus
-    the dispatched requests it has not shown yet."""
+def queue_depth(worker: WorkerView, tier: Tier = Tier.STANDARD) -> int:
+    """Requests that would run before one of `tier`: the snapshot's waiting
+    (for premium, only premium: the scheduler serves it before any standard
+    request, preempting standard work if it must), plus the dispatched
+    requests it has not shown yet."""
     snap = worker.snapshot
     if snap is None:
         return worker.in_flight
     unseen = max(0, worker.in_flight - snap.num_requests)
+    if tier is Tier.PREMIUM:
+        return snap.num_waiting.get(Tier.PREMIUM, 0) + unseen
     return sum(snap.num_waiting.values()) + unseen
 
 
@@ -113,7 +118,8 @@ class AffinityRouter(RoutingPolicy):
                 matches[block_size] = (len(hashes), self.prefix_memory.match(hashes))
             num_blocks, matched = matches[block_size]
             credit = self.weights.full_prefix_hit * matched.get(worker.worker_id, 0) / num_blocks if num_blocks else 0.0
-            cost = queue_depth(worker) + adapter_cost(request.adapter, worker.snapshot, self.weights) - credit
+            cost = (queue_depth(worker, request.tier) + adapter_cost(request.adapter, worker.snapshot, self.weights)
+                    - credit)
             return (not has_room(request, worker.snapshot), cost, worker.in_flight, worker.worker_id)
 
         return Ranking(tuple(w.worker_id for w in sorted(alive, key=key)))

@@ -73,6 +73,18 @@ def test_queue_counts_dispatched_requests_the_snapshot_has_not_shown():
     assert ranked(router, request(), [lagging, waiting]) == ["w1", "w0"]
 
 
+def test_premium_counts_only_the_premium_queue_standard_counts_both():
+    import dataclasses
+
+    router = AffinityRouter(FakeClock())
+    # w0: six standard requests waiting; w1: one premium request waiting.
+    standard_queue = worker("w0", dataclasses.replace(snap(), num_waiting={Tier.STANDARD: 6, Tier.PREMIUM: 0}))
+    premium_queue = worker("w1", dataclasses.replace(snap(), num_waiting={Tier.STANDARD: 0, Tier.PREMIUM: 1}))
+    # The scheduler serves premium before any standard request: w0's queue is not in its way.
+    assert ranked(router, request(tier=Tier.PREMIUM), [standard_queue, premium_queue]) == ["w0", "w1"]
+    assert ranked(router, request(tier=Tier.STANDARD), [standard_queue, premium_queue]) == ["w1", "w0"]
+
+
 def test_a_worker_without_kv_room_for_the_prompt_ranks_last():
     router = AffinityRouter(FakeClock())
     prompt = range(5 * BLOCK)  # 5 blocks
