@@ -14,8 +14,10 @@ key, most significant first:
    wait for blocks to free, or, if premium, preempt someone, whatever else
    that worker offers.
 2. Cost = queue + adapter cost - prefix credit, lower first.
-   - queue: the worker's waiting requests, plus the requests dispatched
-     to it that its snapshot (a step behind) does not show yet.
+   - queue: the worker's waiting requests (for a premium request, only
+     the premium ones: the scheduler serves premium first and preempts
+     standard work for it), plus the requests dispatched to it that its
+     snapshot (a step behind) does not show yet.
    - adapter cost (0 for the base model): 0 if the adapter is resident in
      a slot. Otherwise a load, `load_from_host` (1) if its weights are on
      the host, `load_from_disk` (2) if not, plus `slot_eviction` (2) when
