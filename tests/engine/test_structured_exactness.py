@@ -74,7 +74,9 @@ def test_a_grammar_that_admits_the_greedy_tokens_changes_nothing(tiny_llama_dir,
     special = set(llm.tokenizer.all_special_ids)
     assert not special & {t for ids in expected for t in ids}
     any_text = StructuredSpec.regex(r"(?s:.)*")
-    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, structured=any_text),
+    # ignore_eos, not min_tokens (refused with a grammar): EOS stays allowed,
+    # so were it the greedy choice anywhere here, the comparison would show it.
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, structured=any_text),
               GREEDY]
     outs = llm.generate([p for p in prompts for _ in params], params * len(prompts))
     assert [o.outputs[0].token_ids for o in outs[0::2]] == expected
