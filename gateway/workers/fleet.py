@@ -314,6 +314,12 @@ def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] =
 
 def ray_workers(config, log_level: str = "warning"):
     """The Ray pool `loragw serve --ray ADDRESS` runs."""
+    import importlib.util
+
+    from gateway.config import ConfigError
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, the `ray` extra: pip install 'loragw[ray]'")
     from gateway.workers.ray_pool import RayWorkers
     from gateway.workers.scaling import ScalingPolicy
 

@@ -56,3 +56,16 @@ def test_running_requests_alone_do_not_scale_up():
 def test_bad_policies_are_refused(kw):
     with pytest.raises(ValueError):
         ScalingPolicy(**{**dict(min_workers=1, max_workers=2), **kw})
+
+
+def test_ray_without_the_extra_is_a_config_error_not_a_traceback(monkeypatch):
+    import importlib.util
+
+    from gateway.config import ConfigError, GatewayConfig, WorkerPoolConfig
+    from gateway.workers.fleet import ray_workers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    config = GatewayConfig(worker_pool=WorkerPoolConfig(ray_address="auto", worker_secret="s" * 32))
+    with pytest.raises(ConfigError, match="loragw\\[ray\\]"):
+        ray_workers(config)
