@@ -149,8 +149,8 @@ def run_llama_server(binary: Path, workload: list[Request], levels: list[int], d
     return out
 
 
-def run_loragw(workload: list[Request], levels: list[int], duration_s: float) -> dict:
-    proc = GatewayProcess([])
+def run_loragw(workload: list[Request], levels: list[int], duration_s: float, extra_args: list[str]) -> dict:
+    proc = GatewayProcess(extra_args)
     try:
         proc.wait_ready()
         key = proc.create_tenant("bench", "standard")
@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of the cached build")
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--skip-loragw", action="store_true")
+    ap.add_argument("--loragw-arg", action="append", default=[], metavar="ARG",
+                    help="a flag for `loragw serve` (repeat it; none: the defaults, which are what this measures)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_peer.json")
     args = ap.parse_args()
 
@@ -216,7 +218,8 @@ def main() -> None:
         result["llama_server_build"] = {"binary": str(binary), "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION}
         result["llama_server"] = run_llama_server(binary, workload, args.concurrency, args.duration)
     if not args.skip_loragw:
-        result["loragw"] = run_loragw(workload, args.concurrency, args.duration)
+        result["loragw"] = run_loragw(workload, args.concurrency, args.duration, args.loragw_arg)
+        result["loragw_args"] = args.loragw_arg
     result["loragw_over_llama_server"] = ratios(result.get("loragw", {}), result.get("llama_server", {}))
     result["load_after"] = load_average()
     print_table(result)
