@@ -29,8 +29,9 @@ class GrammarRuntime:
         # Imported here, not in the first constrained step: importing
         # llguidance.torch takes about a second.
         import llguidance
-        import llguidance.torch  # noqa: F401
+        import llguidance.torch
 
+        self._fill_masks = llguidance.torch.fill_next_token_bitmask_par
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._matchers: dict[str, object] = {}
@@ -57,12 +58,9 @@ class GrammarRuntime:
                 if r.request_id in self._matchers]
         if not rows:
             return
-        import llguidance.torch
-
         bitmask = torch.empty(len(rows), self._words, dtype=torch.int32)
         # Masks of all rows in parallel, on llguidance's own threads.
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, k) for k, (_, m) in enumerate(rows)], bitmask)
+        self._fill_masks(self._executor, [(m, k) for k, (_, m) in enumerate(rows)], bitmask)
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1).bool()
         index = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
         width = min(logits.shape[1], allowed.shape[1])
