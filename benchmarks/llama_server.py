@@ -27,8 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-from loadgen import _free_port
+from loadgen import _free_port, wait_until_ok
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
@@ -99,17 +98,8 @@ class LlamaServerProcess:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         # /health answers 503 while the model loads and 200 once it serves.
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"llama-server did not become ready: {self.log_tail()}")
+        wait_until_ok(self.proc, f"{self.base_url}/health", timeout, poll_s=0.25, what="llama-server",
+                      log_tail=self.log_tail)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -48,17 +48,8 @@ class GatewayProcess:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("gateway did not become ready")
+        wait_until_ok(self.proc, f"{self.base_url}/ready", timeout, poll_s=0.5, what="gateway",
+                      log_tail=lambda: self.log_path.read_text()[-2000:])
 
     def create_tenant(self, name: str, tier: str) -> str:
         """Create a tenant with no limits of its own; return an API key."""
@@ -77,6 +68,23 @@ class GatewayProcess:
             self.proc.kill()
         self._log.close()
         self._tmp.cleanup()
+
+
+def wait_until_ok(proc: subprocess.Popen, url: str, timeout: float, *, poll_s: float, what: str,
+                  log_tail) -> None:
+    """Poll `url` until it answers 200; raise if `proc` exits first (with
+    `log_tail()`) or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what} did not become ready: {log_tail()}")
 
 
 @dataclass
