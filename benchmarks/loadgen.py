@@ -34,12 +34,15 @@ def _free_port() -> int:
 
 
 class GatewayProcess:
-    def __init__(self, extra_args: list[str], *, model: str | None = None):
+    def __init__(self, extra_args: list[str], *, model: str | None = None, env: dict[str, str] | None = None,
+                 wrapper: list[str] = ()):
+        """`wrapper`: a command that runs the server, e.g. a profiler's
+        `py-spy record ... --`."""
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._tmp = tempfile.TemporaryDirectory(prefix="loragw-bench-")
-        env = {**os.environ, "LORAGW_DATA_DIR": self._tmp.name, "LORAGW_ADMIN_TOKEN": ADMIN_TOKEN}
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
+        env = {**os.environ, **(env or {}), "LORAGW_DATA_DIR": self._tmp.name, "LORAGW_ADMIN_TOKEN": ADMIN_TOKEN}
+        cmd = [*wrapper, sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
                "--db", f"sqlite+aiosqlite:///{self._tmp.name}/bench.db", *extra_args]
         if model:
             cmd += ["--model", model]

@@ -131,6 +131,36 @@ async def closed_loop(base_url: str, headers: dict, body_for: Callable[[Request]
     return Run(outcomes, t0, expected)
 
 
+async def probe_latency(base_url: str, path: str, stop: asyncio.Event, interval_s: float = 0.1) -> list[float]:
+    """Seconds each GET of `path` took, one every `interval_s` until `stop`,
+    on a connection of its own: how long the server's event loop keeps a
+    trivial request waiting while it serves the load."""
+    latencies = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(60.0)) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                await client.get(path)
+            except httpx.TransportError:
+                continue
+            latencies.append(time.perf_counter() - t0)
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+    return latencies
+
+
+def latency_summary(latencies: list[float]) -> dict:
+    ordered = sorted(latencies)
+    return {"probes": len(ordered), "p50_ms": _ms(_quantile(ordered, 0.5)), "p99_ms": _ms(_quantile(ordered, 0.99)),
+            "max_ms": _ms(ordered[-1] if ordered else None)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
 def summarize(run: Run) -> dict:
     done = [o for o in run.outcomes if o.completed]
     tokens = sum(o.completion_tokens for o in done)

@@ -42,21 +42,24 @@ requests over the time from the first send to the last completion), TTFT
 p50/p99 as the client saw it (from the first attempt, so a 429's wait
 counts), completed requests, requests retried (a connection closed before
 the answer, which llama-server does to some keep-alive connections, or a
-429), and the ratios loragw / llama-server.
+429), and the ratios loragw / llama-server. Beside the load, a probe GETs
+/health every 100 ms on a connection of its own and reports its latency
+p50/p99/max: how long each server's event loop keeps a trivial request
+waiting while it serves (for loragw, the cost of the engine's threads to
+the HTTP side).
 
     python benchmarks/serve_peer.py [--concurrency 1 16 64] [--duration 60] [--seed 0]
-        [--llama-server PATH] [--out benchmarks/results/serve_peer.json]
+        [--llama-server PATH] [--loragw-arg ARG]... [--loragw-env NAME=VALUE]...
+        [--py-spy-level C] [--out benchmarks/results/serve_peer.json]
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/throughput.py
-
 import argparse
 import asyncio
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -65,7 +68,8 @@ import httpx
 from llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServerProcess, ensure_llama_server
 from loadgen import GatewayProcess
 from machine import CpuMeter, load_average, machine_facts, write_json
-from peer_client import Request, closed_loop, summarize
+from peer_client import Request, closed_loop, latency_summary, probe_latency, summarize
+from profile_breakdown import parse, shares
 
 RESULTS = Path(__file__).parent / "results"
 CTX_PER_SLOT = 512
@@ -105,11 +109,36 @@ def _whole_words(tokenizer) -> list[str]:
     return sorted(w for w in words if 3 <= len(w) <= 10)
 
 
-def run_levels(server: Server, workload: list[Request], levels: list[int], duration_s: float) -> dict:
+def run_levels(server: Server, workload: list[Request], levels: list[int], duration_s: float,
+               profile: Profile | None = None) -> dict:
     out = {}
     for c in levels:
-        out[str(c)] = run_level(server, workload, c, duration_s)
+        if profile is not None and profile.level == c:
+            spy = profile.start(duration_s)
+            out[str(c)] = run_level(server, workload, c, duration_s)
+            out[str(c)]["profile"] = profile.finish(spy)
+        else:
+            out[str(c)] = run_level(server, workload, c, duration_s)
     return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """py-spy attached to the gateway (and its worker) for one level."""
+
+    level: int
+    pid: int
+    raw_path: Path
+
+    def start(self, duration_s: float) -> subprocess.Popen:
+        py_spy = Path(sys.executable).with_name("py-spy")
+        cmd = [str(py_spy), "record", "-p", str(self.pid), "--subprocesses", "--nonblocking", "-r", "100",
+               "-d", str(int(duration_s)), "-f", "raw", "-o", str(self.raw_path)]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def finish(self, spy: subprocess.Popen) -> dict:
+        spy.wait(120)
+        return {"raw": str(self.raw_path), **shares(parse(self.raw_path))}
 
 
 def run_level(server: Server, workload: list[Request], concurrency: int, duration_s: float) -> dict:
@@ -119,17 +148,24 @@ def run_level(server: Server, workload: list[Request], concurrency: int, duratio
                 **server.force_length(request.max_tokens)}
 
     async def drive(requests, c, seconds):
-        return await closed_loop(server.base_url, server.headers, body_for, requests, concurrency=c,
-                                 duration_s=seconds)
+        stop = asyncio.Event()
+        probe = asyncio.create_task(probe_latency(server.base_url, "/health", stop))
+        try:
+            run = await closed_loop(server.base_url, server.headers, body_for, requests, concurrency=c,
+                                    duration_s=seconds)
+        finally:
+            stop.set()
+        return run, await probe
 
     asyncio.run(drive(workload[-WARMUP_REQUESTS:], 1, 0.0))
     load_before = load_average()
     meter = CpuMeter.start()
-    run = asyncio.run(drive(workload, concurrency, duration_s))
-    stats = {"concurrency": concurrency, **summarize(run), "load_before": load_before,
-             "load_after": load_average(), "cpu": meter.stop()}
+    run, health = asyncio.run(drive(workload, concurrency, duration_s))
+    stats = {"concurrency": concurrency, **summarize(run), "health_latency": latency_summary(health),
+             "load_before": load_before, "load_after": load_average(), "cpu": meter.stop()}
     print(f"  {server.name} c={concurrency}: {stats['output_tok_s']} tok/s, TTFT p50 {stats['ttft_p50_s']} s, "
-          f"{stats['completed']} done, {stats['retried']} retried", flush=True)
+          f"{stats['completed']} done, {stats['retried']} retried, /health p99 "
+          f"{stats['health_latency']['p99_ms']} ms", flush=True)
     return stats
 
 
@@ -149,15 +185,19 @@ def run_llama_server(binary: Path, workload: list[Request], levels: list[int], d
     return out
 
 
-def run_loragw(workload: list[Request], levels: list[int], duration_s: float, extra_args: list[str]) -> dict:
-    proc = GatewayProcess(extra_args)
+def run_loragw(workload: list[Request], levels: list[int], duration_s: float, extra_args: list[str],
+               env: dict[str, str], py_spy_level: int | None = None, out: Path | None = None) -> dict:
+    proc = GatewayProcess(extra_args, env=env)
     try:
         proc.wait_ready()
         key = proc.create_tenant("bench", "standard")
         headers = {"Authorization": f"Bearer {key}"}
         model = httpx.get(f"{proc.base_url}/v1/models", headers=headers).json()["data"][0]["id"]
         server = Server("loragw", proc.base_url, model, headers, lambda n: {"min_tokens": n})
-        return run_levels(server, workload, levels, duration_s)
+        profile = None
+        if py_spy_level is not None:
+            profile = Profile(py_spy_level, proc.proc.pid, out.with_name(f"{out.stem}_profile_c{py_spy_level}.txt"))
+        return run_levels(server, workload, levels, duration_s, profile)
     finally:
         proc.stop()
 
@@ -203,6 +243,11 @@ def main() -> None:
     ap.add_argument("--skip-loragw", action="store_true")
     ap.add_argument("--loragw-arg", action="append", default=[], metavar="ARG",
                     help="a flag for `loragw serve` (repeat it; none: the defaults, which are what this measures)")
+    ap.add_argument("--loragw-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for `loragw serve` (repeat it), e.g. OMP_WAIT_POLICY=ACTIVE")
+    ap.add_argument("--py-spy-level", type=int, metavar="C",
+                    help="profile loragw (gateway and worker) with py-spy during concurrency C; the breakdown "
+                         "(benchmarks/profile_breakdown.py) goes into the JSON, the raw stacks beside it")
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_peer.json")
     args = ap.parse_args()
 
@@ -218,8 +263,11 @@ def main() -> None:
         result["llama_server_build"] = {"binary": str(binary), "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION}
         result["llama_server"] = run_llama_server(binary, workload, args.concurrency, args.duration)
     if not args.skip_loragw:
-        result["loragw"] = run_loragw(workload, args.concurrency, args.duration, args.loragw_arg)
+        env = dict(item.split("=", 1) for item in args.loragw_env)
+        result["loragw"] = run_loragw(workload, args.concurrency, args.duration, args.loragw_arg, env,
+                                      args.py_spy_level, args.out)
         result["loragw_args"] = args.loragw_arg
+        result["loragw_env"] = env
     result["loragw_over_llama_server"] = ratios(result.get("loragw", {}), result.get("llama_server", {}))
     result["load_after"] = load_average()
     print_table(result)

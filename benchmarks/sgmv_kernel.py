@@ -45,6 +45,7 @@ import torch
 from machine import write_json
 
 from adapters.ops import LoraOps, SGMVMeta, build_sgmv_meta, get_lora_ops
+from engine.builder import resolve_dtype
 
 HIDDEN, KV_WIDTH, INTERMEDIATE = 576, 192, 1536
 GROUPS = {  # name: (H_in, widths of the fused output's slices)
@@ -215,7 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/sgmv_kernel.json")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="default: bfloat16 on CUDA, float32 on the CPU (the engine's defaults)")
+                        help="default: the engine's --dtype auto on this host")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=40)
@@ -226,7 +227,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = getattr(torch, args.dtype) if args.dtype else resolve_dtype("auto", device)
     backends = {"torch": get_lora_ops("torch", device)}
     if device.type == "cuda":
         backends["triton"] = get_lora_ops("triton", device)

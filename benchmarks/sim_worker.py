@@ -142,7 +142,7 @@ class SimWorker:
         # `loragw worker`, with the simulation's sizes.
         from gateway.config import serving_engine_config
 
-        config: EngineConfig = serving_engine_config(beside_the_server=False)
+        config: EngineConfig = serving_engine_config()
         s = shape.scale
         num_blocks = shape.num_kv_blocks * s
         sched_config = replace(config.scheduler, max_model_len=shape.max_model_len,

@@ -112,8 +112,8 @@ def run_serve(prompts: list[list[int]], lens: list[int], threads: int, workers: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
-                    help="torch threads of the offline engine and of each worker (default: one per core but one)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the offline engine and of each worker (default: one per core, as serve)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-two", action="store_true", help="skip the --workers 2 phase")
     ap.add_argument("--out", type=Path, default=RESULTS / "workers.json")

@@ -12,6 +12,7 @@ from engine.attention import get_attention_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.engine_core import EngineCore
 from engine.errors import ValidationError
+from engine.host_cpu import has_native_bfloat16
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm_engine import LLMEngine
 from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
@@ -30,10 +31,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, *, native_bfloat16: bool | None = None) -> torch.dtype:
+    """`auto`: bfloat16 on a GPU and on a CPU that computes in it natively
+    (engine/host_cpu.py), else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if native_bfloat16 is None:
+        native_bfloat16 = has_native_bfloat16()
+    return torch.bfloat16 if native_bfloat16 else torch.float32
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,

@@ -96,12 +96,13 @@ class EngineConfig:
     """Everything `LLM(...)`, `loragw serve` and `loragw worker` accept."""
 
     model: str | None = setting(None, help="local HF-format Llama checkpoint; default: bundled SmolLM2-135M-Instruct")
-    dtype: str = setting("auto", choices=_DTYPES, help="weights and KV dtype; auto: float32 on the CPU, "
-                                                       "bfloat16 on a GPU")
+    dtype: str = setting("auto", choices=_DTYPES, help="weights and KV dtype; auto: bfloat16 on a GPU and "
+                                                       "on a CPU with native bfloat16 (AVX512-BF16, AMX, Arm BF16), "
+                                                       "else float32")
     device: str = setting("auto", help="cpu, cuda, cuda:N or auto")
     attention_backend: str = setting("auto", help="torch, triton or auto")
     num_threads: int | None = setting(None, help="torch intra-op threads of the engine on the CPU; unset: torch's "
-                                                 "default (`loragw serve`: one per core but one, for the event loop)")
+                                                 "default, one per core (docs/engine.md, \"Defaults\")")
     # The adapter registry; $LORAGW_DATA_DIR is read where the registry opens.
     data_dir: str | None = setting(None, flag=None, help="None: $LORAGW_DATA_DIR or the user data dir")
     scheduler: SchedulerConfig = section(SchedulerConfig, title="scheduler")

@@ -34,6 +34,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.host_cpu import default_thread_wait_policy
 from engine.wire import PROTOCOL_VERSION, Codec, Hello, ProtocolError, Refused, Status, is_local_endpoint, version_mismatch
 from engine.worker_loop import BROADCAST, OUTBOX, SESSION_CLOSED, SESSION_OPEN, EngineLoop, Moved
 
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """The entry a supervising gateway spawns: the engine config comes as
     JSON (the gateway already parsed and validated it), the secret from
     $LORAGW_WORKER_SECRET."""
+    default_thread_wait_policy()
     import argparse
 
     import msgspec

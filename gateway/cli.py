@@ -15,6 +15,7 @@ import sys
 from typing import Mapping
 
 from engine.config_flags import add_flags, config_from_args, env_flag
+from engine.host_cpu import default_thread_wait_policy
 from gateway import cli_admin, cli_usage, cli_worker
 from gateway.cli_worker import LOG_LEVELS, WORKER_SECRET_ENV, WORKER_SECRET_FILE_ENV, worker_secret
 
@@ -81,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_thread_wait_policy()  # before anything loads torch; workers inherit it
     parser = argparse.ArgumentParser(prog="loragw", description="multi-tenant LoRA inference gateway")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)

@@ -27,9 +27,7 @@ WORKER_SECRET_FILE_ENV = "LORAGW_WORKER_SECRET_FILE"
 def _worker_engine() -> EngineConfig:
     from gateway.config import serving_engine_config
 
-    # Local workers get --num-threads from their supervisor; a worker alone
-    # on its machine keeps torch's default.
-    return serving_engine_config(beside_the_server=False)
+    return serving_engine_config()
 
 
 @dataclass(frozen=True)

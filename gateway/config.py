@@ -3,7 +3,6 @@ variables. The flags are generated from these fields (engine/config_flags.py).""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,18 +133,9 @@ class RedisLimitsConfig:
             raise ConfigError("--redis-lease and --redis-timeout must be positive")
 
 
-def engine_threads_beside_the_server() -> int:
-    """Intra-op threads for an engine that shares the machine with the HTTP
-    server. The event loop needs a core of its own: when it preempts one of
-    torch's threads, every parallel op waits at its barrier for that thread
-    (measured on 2 cores: a step ran ~8x slower with 2 threads than with 1
-    while another process was busy)."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
-def serving_engine_config(*, beside_the_server: bool) -> EngineConfig:
-    """The engine defaults of `loragw serve` (beside the server) and
-    `loragw worker`: the one place where serving differs from `LLM()`.
+def serving_engine_config() -> EngineConfig:
+    """The engine defaults of `loragw serve`'s workers and `loragw worker`:
+    the one place where serving differs from `LLM()`.
 
     Offline, every request is standard by default, so a premium reserve
     would only shrink the cache and a standard prefill cap would only slow
@@ -154,7 +144,6 @@ def serving_engine_config(*, beside_the_server: bool) -> EngineConfig:
     premium arrival waits out a short step (benchmarks/tiers.py; on a CPU
     step time grows with every token, on a GPU raise the cap)."""
     return EngineConfig(
-        num_threads=engine_threads_beside_the_server() if beside_the_server else None,
         scheduler=SchedulerConfig(max_standard_prefill_tokens=256),
         cache=CacheConfig(premium_reserved_fraction=0.2))
 
@@ -178,7 +167,7 @@ class GatewayConfig:
     demo_tenant: bool = setting(False, help="create the 'demo' tenant on an empty --db too (always done for the "
                                             "default SQLite database)")
     # The engine section's flags, tiers (`--no-tiers`) included, are the engine's own.
-    engine: EngineConfig = section(lambda: serving_engine_config(beside_the_server=True), title="engine")
+    engine: EngineConfig = section(serving_engine_config, title="engine")
     served_model_name: str | None = setting(
         None, help="the base model's id in the API; default: the checkpoint directory's name")
     premium: TierLimits = section(lambda: TierLimits(max_waiting=64), prefix="premium-", title="premium tier")

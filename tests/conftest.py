@@ -17,6 +17,11 @@ pytest_plugins = ["tests.stores"]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `--dtype auto` is bfloat16 on a CPU with native bfloat16; the exactness
+# tests compare with HF in float32, so the suite (and every worker process it
+# starts) keeps auto at float32 on every host (engine/host_cpu.py).
+os.environ["LORAGW_CPU_BFLOAT16"] = "0"
+
 
 @pytest.fixture
 def no_compiler(monkeypatch):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Callable
 
+from engine.host_cpu import OMP_WAIT_POLICY
 from engine.ray_worker import ACTOR_PREFIX, NAMESPACE
 from gateway.workers.scaling import QueueDepthScaler, ScalingPolicy
 
@@ -138,6 +140,8 @@ class RayWorkers:
             ray.remote(WorkerActor).options(
                 name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                 max_restarts=-1, max_task_retries=0, num_gpus=self.num_gpus, num_cpus=self.num_cpus,
+                # An actor's process loads torch before our code runs in it.
+                runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY)}},
             ).remote(config_json, self.secret, self.log_level)
 
 

@@ -47,7 +47,7 @@ def test_serve_with_no_flags_behaves_as_before(monkeypatch):
     engine = config.engine
     assert engine.cache.premium_reserved_fraction == 0.2
     assert engine.scheduler.max_standard_prefill_tokens == 256
-    assert engine.num_threads == max(1, (os.cpu_count() or 1) - 1)
+    assert engine.num_threads is None  # the worker process gets every core
     assert engine.scheduler.enable_tiers and config.enable_tiers and engine.scheduler.premium_prefill_alone
     assert (engine.model, engine.dtype, engine.scheduler.max_model_len) == (None, "auto", None)
     assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (128, 1024)

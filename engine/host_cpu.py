@@ -1,0 +1,55 @@
+"""What the host CPU does natively, and how the engine's threads share it:
+the defaults that depend on the host.
+
+`--dtype auto` picks bfloat16 on a CPU only where bfloat16 arithmetic is in
+the instruction set (AVX512-BF16 or AMX on x86, the BF16 extension on Arm),
+as vLLM's CPU backend does. Elsewhere bfloat16 still halves the bytes read
+per step, but every multiply first widens it in software, and the exactness
+of float32 is worth more than that. Where the flags cannot be read (no
+/proc/cpuinfo: macOS, Windows) auto stays float32. LORAGW_CPU_BFLOAT16=0 makes a host count
+as one without it: the test suite sets it, so that its exactness tests run
+in float32 on every host.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_SWITCH = "LORAGW_CPU_BFLOAT16"
+# Idle OpenMP threads sleep rather than spin. A worker shares its cores with
+# the gateway's event loop (and on a shared host with anything else), and a
+# spinning thread that loses its core stalls every parallel region at the
+# barrier; our kernels keep small calls on one thread where threads sleep
+# (native.threads_sleep). libgomp reads it once, when torch loads.
+OMP_WAIT_POLICY = "PASSIVE"
+# /proc/cpuinfo's names: x86 "flags", Arm "Features".
+NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags; empty where /proc/cpuinfo is absent."""
+    try:
+        text = cpuinfo.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def has_native_bfloat16(flags: frozenset[str] | None = None, environ=os.environ) -> bool:
+    if environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if flags is None:
+        flags = cpu_flags()
+    return bool(flags & NATIVE_BFLOAT16_FLAGS)
+
+
+def default_thread_wait_policy(environ=os.environ) -> None:
+    """Set OMP_WAIT_POLICY unless the operator has: call it before torch is
+    imported (the `loragw` and worker entry points do); child processes
+    inherit it."""
+    environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
