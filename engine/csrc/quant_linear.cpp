@@ -8,68 +8,116 @@
 #include "vector_helpers.h"
 
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 namespace {
 
 constexpr int64_t kRowTile = 16;   // weight rows per tile, as engine/csrc/cpu_linear.cpp
 constexpr int64_t kMinRows = 128;  // weight rows per thread: less is not worth a thread's wake-up
-constexpr int64_t kBlock = 32;     // q4_1 weights per (d, m) pair
+constexpr int64_t kBlock = 32;     // q4_1 weights per (d, m) pair; K is a multiple of it for both formats
 
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
+// One register of float32 lanes: 16 with AVX-512 (32 registers), else 8 (an
+// AVX2 register; 16 of them). The tiles below keep JB * KT accumulators, JB
+// activation vectors and a weight vector in registers on either.
+#ifdef __AVX512F__
+constexpr int kVec = 16;
+constexpr int kTileRowsX4 = 4;   // weight rows per tile with 4 token rows
+constexpr int kTileRowsX1 = 16;  // ... with 1 token row
+#else
+constexpr int kVec = 8;
+constexpr int kTileRowsX4 = 2;
+constexpr int kTileRowsX1 = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kVec * 4)));
+typedef int8_t i8vec __attribute__((vector_size(kVec)));
+typedef uint8_t u8vec __attribute__((vector_size(kVec)));
+typedef uint16_t u16vec __attribute__((vector_size(kVec * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(kVec * 4)));
 
-// 16 weights of row `n` from column `h` (a multiple of 16), as float32.
+inline fvec load_x(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline fvec load_x(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  u16vec h;
+  std::memcpy(&h, p, sizeof h);
+  u32vec w = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float half_to_float(const c10::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);  // one instruction; c10's portable conversion is a dozen
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+inline float hsum(fvec v) {
+  float lanes[kVec], s = 0.f;
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int i = 0; i < kVec; ++i) s += lanes[i];
+  return s;
+}
+
+// Rows: kVec weights of row `n` from column `h` (a multiple of kVec), as
+// float32 before the row's `finish`.
 struct Int8Rows {
   const int8_t* q;
   const float* scale;
   int64_t k;
-  f32x16 load(int64_t n, int64_t h) const {
-    i8x16 v;
+  fvec load(int64_t n, int64_t h) const {
+    i8vec v;
     std::memcpy(&v, q + n * k + h, sizeof v);
-    return __builtin_convertvector(v, f32x16) * scale[n];
+    return __builtin_convertvector(v, fvec);
   }
+  float finish(int64_t n, float dot) const { return dot * scale[n]; }  // the scale is per row
 };
 
 struct Q41Rows {
   const uint8_t* q;
   const c10::Half* dm;
   int64_t k;
-  f32x16 load(int64_t n, int64_t h) const {
-    const int64_t block = h / kBlock;
-    u8x16 packed;
-    std::memcpy(&packed, q + n * (k / 2) + block * (kBlock / 2), sizeof packed);
-    // The first 16 of a block are the low nibbles, the last 16 the high ones.
-    const u8x16 nibbles = (h % kBlock == 0) ? (packed & 0x0F) : (packed >> 4);
+  fvec load(int64_t n, int64_t h) const {
+    const int64_t block = h / kBlock, within = h % kBlock;
+    u8vec packed;
+    std::memcpy(&packed, q + n * (k / 2) + block * (kBlock / 2) + within % (kBlock / 2), sizeof packed);
+    // A block's first 16 weights are its bytes' low nibbles, the last 16 the high ones.
+    const u8vec nibbles = within < kBlock / 2 ? (packed & 0x0F) : (packed >> 4);
     const c10::Half* p = dm + (n * (k / kBlock) + block) * 2;
-    const float d = static_cast<float>(p[0]), m = static_cast<float>(p[1]);
-    return __builtin_convertvector(nibbles, f32x16) * d + m;
+    return __builtin_convertvector(nibbles, fvec) * half_to_float(p[0]) + half_to_float(p[1]);
   }
+  float finish(int64_t, float dot) const { return dot; }
 };
 
-// y[j * y_stride + r] = x_j . w_(r0 + r) for JB rows of x and the nk weight
-// rows from r0, in float32 (the tiling of vector_helpers.h's dot_rows, with
-// weights widened by `rows`; k_dim is a multiple of 16).
+// y[j * y_stride + r] = x_j . w_(r0 + r) for JB rows of x (x_stride apart)
+// and the nk weight rows from r0, in float32, KT weight rows at a time (a
+// tile past nk repeats the last row and drops its result).
 template <typename T, int JB, int KT, typename Rows>
 void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int64_t nk, int64_t k_dim,
                 T* y, int64_t y_stride) {
-  static_assert(JB * KT == kLanes, "one sum_each per tile");
   for (int64_t k0 = 0; k0 < nk; k0 += KT) {
     int64_t r[KT];
     for (int kk = 0; kk < KT; ++kk) r[kk] = r0 + std::min<int64_t>(k0 + kk, nk - 1);
-    f32x16 acc[kLanes] = {};
-    for (int64_t h = 0; h < k_dim; h += kLanes) {
-      f32x16 wv[KT];
-      for (int kk = 0; kk < KT; ++kk) wv[kk] = rows.load(r[kk], h);
-      for (int jj = 0; jj < JB; ++jj) {
-        const f32x16 xv = load16(x + jj * x_stride + h);
-        for (int kk = 0; kk < KT; ++kk) acc[jj * KT + kk] += xv * wv[kk];
+    fvec acc[JB][KT] = {};
+    for (int64_t b = 0; b < k_dim; b += kBlock) {
+#pragma GCC unroll 4
+      for (int64_t h = b; h < b + kBlock; h += kVec) {
+        fvec xv[JB];
+        for (int jj = 0; jj < JB; ++jj) xv[jj] = load_x(x + jj * x_stride + h);
+        for (int kk = 0; kk < KT; ++kk) {
+          const fvec wv = rows.load(r[kk], h);
+          for (int jj = 0; jj < JB; ++jj) acc[jj][kk] += xv[jj] * wv;
+        }
       }
     }
-    const f32x16 sums = sum_each(acc);
-    float lanes[kLanes];
-    std::memcpy(lanes, &sums, sizeof lanes);
     for (int jj = 0; jj < JB; ++jj)
-      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) y[jj * y_stride + k0 + kk] = static_cast<T>(lanes[jj * KT + kk]);
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk)
+        y[jj * y_stride + k0 + kk] = static_cast<T>(rows.finish(r[kk], hsum(acc[jj][kk])));
   }
 }
 
@@ -82,8 +130,8 @@ void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int6
       const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
       int64_t j = 0;
       for (; j + 4 <= m; j += 4)
-        dot_rows_q<T, 4, 4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
-      for (; j < m; ++j) dot_rows_q<T, 1, 16>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
+        dot_rows_q<T, 4, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+      for (; j < m; ++j) dot_rows_q<T, 1, kTileRowsX1>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
       if (bias != nullptr) {
         for (int64_t jj = 0; jj < m; ++jj)
           for (int64_t c = n0; c < n0 + nr; ++c)
@@ -94,12 +142,13 @@ void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int6
   });
 }
 
-// Checks what both formats share: x [M, K] and out [M, N] of one float
-// dtype with unit column stride, an optional contiguous bias [N].
+// Checks what both formats share: x [M, K] (K a multiple of 32) and out
+// [M, N] of one float dtype with unit column stride, an optional contiguous
+// bias [N].
 bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, const torch::Tensor& out) {
   const auto dtype = x.scalar_type();
   bool ok = x.dim() == 2 && out.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
-            out.scalar_type() == dtype && x.stride(1) == 1 && out.stride(1) == 1 && x.size(1) % kLanes == 0;
+            out.scalar_type() == dtype && x.stride(1) == 1 && out.stride(1) == 1 && x.size(1) % kBlock == 0;
   if (bias.has_value()) ok = ok && bias->scalar_type() == dtype && bias->dim() == 1 && bias->is_contiguous();
   return ok;
 }
@@ -121,7 +170,7 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
 
 }  // namespace
 
-// x [M, K] float32|bfloat16, q [N, K] int8, scale [N] float32, bias [N] or
+// x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K] int8, scale [N] float32, bias [N] or
 // none, out [M, N] in x's dtype. False (nothing done) for tensors this kernel
 // does not take, so the caller uses the torch twin.
 bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
@@ -139,7 +188,7 @@ bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 // [N, K / 32, 2] float16, bias [N] or none, out [M, N] in x's dtype.
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
-  if (!activations_ok(x, bias, out) || x.size(1) % kBlock != 0 || q.scalar_type() != at::kByte ||
+  if (!activations_ok(x, bias, out) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
   const int64_t k = x.size(1);
