@@ -77,7 +77,7 @@ class LoraSlotManager:
         for (layer, name), linear in packed_linears.items():
             slices = linear.slice_names
             self.stacks[(layer, name)] = LoraStack(
-                lora_a=torch.zeros(max_loras, len(slices) * max_lora_rank, linear.weight.shape[1],
+                lora_a=torch.zeros(max_loras, len(slices) * max_lora_rank, linear.in_features,
                                    dtype=dtype, device=device),
                 lora_b=[_b_stack(max_loras, linear.sizes[s], max_lora_rank, dtype, device, rank_major_b)
                         for s in slices],

@@ -74,7 +74,8 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
     attn = get_attention_backend(config.attention_backend, device)
-    loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn)
+    loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn,
+                        quantization=config.quantization)
 
     cache = config.cache
     bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, dtype)

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.model import cpu_linear
+from engine.model import cpu_linear, quant_linear
 from engine.model.rope import RotaryEmbedding, apply_rotary, head_dim_of
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -85,6 +85,7 @@ class PackedLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        quantized: bool = False,
     ):
         super().__init__()
         self.slice_names = tuple(name for name, _ in slices)
@@ -94,20 +95,35 @@ class PackedLinear(nn.Module):
         for name, size in slices:
             self.offsets[name] = total
             total += size
-        self.weight = _empty((total, in_features), dtype, device)
+        self.in_features = in_features
+        # Quantized (`quantize`), the weight loads in float32, whatever the
+        # activations' dtype, so it quantizes from the checkpoint's values.
+        self.weight = _empty((total, in_features), torch.float32 if quantized else dtype, device)
         self.bias = _empty((total,), dtype, device) if bias else None
         self.param_names = ("weight", "bias") if bias else ("weight",)
-        # Decode steps (a few rows) go to the C++ skinny kernel on the CPU.
-        self.cpu_linear = cpu_linear.load_kernel() if device.type == "cpu" else None
+        # Decode steps (a few rows) go to the C++ skinny kernels on the CPU.
+        on_cpu = device.type == "cpu"
+        self.cpu_linear = cpu_linear.load_kernel() if on_cpu and not quantized else None
+        self.quant_kernel = quant_linear.load_kernel() if on_cpu and quantized else None
+        self.qweight: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         # Set by the engine builder when LoRA is on: adds the step's
         # per-token adapter deltas into the output, hook(x, out).
         self.lora_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
-        out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias)
+        if self.qweight is not None:
+            out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias)
+        else:
+            out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias)
         if self.lora_hook is not None:
             self.lora_hook(x, out)
         return out
+
+    def quantize(self, method: str) -> None:
+        """Replaces the loaded float weight by its `method` form; the float
+        one is dropped (`weight` None)."""
+        self.qweight = quant_linear.quantize(self.weight.data, method)
+        self.weight = None
 
     def load_slice(self, name: str, param: str, tensor: torch.Tensor) -> None:
         target = self.weight if param == "weight" else self.bias
@@ -123,7 +139,8 @@ class PackedLinear(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+                 quantized: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -134,9 +151,9 @@ class LlamaAttention(nn.Module):
         self.qk_size = q_size + kv_size
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = PackedLinear(
-            config.hidden_size, (("q", q_size), ("k", kv_size), ("v", kv_size)), bias, dtype, device
+            config.hidden_size, (("q", q_size), ("k", kv_size), ("v", kv_size)), bias, dtype, device, quantized
         )
-        self.o_proj = PackedLinear(q_size, (("o", config.hidden_size),), bias, dtype, device)
+        self.o_proj = PackedLinear(q_size, (("o", config.hidden_size),), bias, dtype, device, quantized)
 
     def forward(
         self,
@@ -158,7 +175,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, quantized: bool = False):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
@@ -166,9 +183,9 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = PackedLinear(
-            config.hidden_size, (("gate", size), ("up", size)), bias, dtype, device
+            config.hidden_size, (("gate", size), ("up", size)), bias, dtype, device, quantized
         )
-        self.down_proj = PackedLinear(size, (("down", config.hidden_size),), bias, dtype, device)
+        self.down_proj = PackedLinear(size, (("down", config.hidden_size),), bias, dtype, device, quantized)
         self.intermediate_size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,13 +194,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+                 quantized: bool = False):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, attn_backend, dtype, device)
+        self.self_attn = LlamaAttention(config, attn_backend, dtype, device, quantized)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device, quantized)
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         residual = hidden
@@ -197,27 +215,41 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Flat-batch Llama: `forward` takes the T new tokens of one step and
     returns their final (normed) hidden states; `compute_logits` projects
-    only the rows that sample."""
+    only the rows that sample.
 
-    def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device):
+    `quantization` "int8" or "int4" stores the linears' weights quantized,
+    and the LM head's in int8 (engine/model/quant_linear.py); they load in
+    float32 and are quantized at the end of `load_weights`. The embedding table
+    stays in `dtype`: a step gathers only its tokens' rows from it."""
+
+    def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+                 quantization: str = "none"):
         super().__init__()
+        self.quantization = quantization
+        quantized = quantization != "none"
+        # Loaded in float32 when quantized, like the linears; the LM head,
+        # tied or not, is quantized from it.
+        head_dtype = torch.float32 if quantized else dtype
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.attn_backend = attn_backend
         self.num_layers = config.num_hidden_layers
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = _empty((config.vocab_size, config.hidden_size), dtype, self.device)
+        self.embed_tokens = _empty((config.vocab_size, config.hidden_size),
+                                   head_dtype if self.tie_word_embeddings else dtype, self.device)
         self.rotary = RotaryEmbedding(config, self.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, dtype, self.device) for _ in range(self.num_layers)
+            LlamaDecoderLayer(config, attn_backend, dtype, self.device, quantized) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.device)
         if self.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = _empty((config.vocab_size, config.hidden_size), dtype, self.device)
+            self.lm_head = _empty((config.vocab_size, config.hidden_size), head_dtype, self.device)
+        self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
+        self._quant_kernel = quant_linear.load_kernel() if quantized and self.device.type == "cpu" else None
         if self._cpu_linear is not None:
             cpu_linear.row_limit(dtype, torch.get_num_threads())  # measured now, not in the first step
 
@@ -252,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
+            if self.lm_head_q is not None:
+                return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q).float()
             return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head).float()
 
     # ---- weights -------------------------------------------------------
@@ -305,3 +339,17 @@ class LlamaForCausalLM(nn.Module):
             missing = sorted(pending)
             shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint is missing tensors: {shown}")
+        if self.quantization != "none":
+            self.quantize()
+
+    def quantize(self) -> None:
+        """Quantizes every packed linear and the LM head from their float32
+        weights (dropped after); a tied embedding table is cast to the
+        model's dtype."""
+        with torch.no_grad():
+            for linear in self.packed_linears().values():
+                linear.quantize(self.quantization)
+            head = quant_linear.HEAD_QUANTIZATION[self.quantization]
+            self.lm_head_q = quant_linear.quantize(self.lm_head.data, head)
+            self.lm_head = None
+            self.embed_tokens.data = self.embed_tokens.data.to(self.dtype)

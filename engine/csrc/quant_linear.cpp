@@ -1,0 +1,205 @@
+// Weight-only quantized skinny linear: out = x @ dequant(w)^T (+ bias) for a
+// few token rows, each quantized weight row read once per call and widened
+// to float32 in registers. Formats and why: engine/model/quant_linear.py.
+//   int8: q [N, K] int8, scale [N] float32; w[n, k] = scale[n] * q[n, k]
+//   q4_1: q [N, K / 2] uint8, dm [N, K / 32, 2] float16 (d, m per block of
+//         32); byte i of a block holds element i (low nibble) and i + 16
+//         (high nibble), as GGUF's Q4_1; w = d * q + m
+#include "vector_helpers.h"
+
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kRowTile = 16;   // weight rows per tile, as engine/csrc/cpu_linear.cpp
+constexpr int64_t kMinRows = 128;  // weight rows per thread: less is not worth a thread's wake-up
+constexpr int64_t kBlock = 32;     // q4_1 weights per (d, m) pair; K is a multiple of it for both formats
+
+// One register of float32 lanes: 16 with AVX-512 (32 registers), else 8 (an
+// AVX2 register; 16 of them). The tiles below keep JB * KT accumulators, JB
+// activation vectors and a weight vector in registers on either.
+#ifdef __AVX512F__
+constexpr int kVec = 16;
+constexpr int kTileRowsX4 = 4;   // weight rows per tile with 4 token rows
+constexpr int kTileRowsX1 = 16;  // ... with 1 token row
+#else
+constexpr int kVec = 8;
+constexpr int kTileRowsX4 = 2;
+constexpr int kTileRowsX1 = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kVec * 4)));
+typedef int8_t i8vec __attribute__((vector_size(kVec)));
+typedef uint8_t u8vec __attribute__((vector_size(kVec)));
+typedef uint16_t u16vec __attribute__((vector_size(kVec * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(kVec * 4)));
+
+inline fvec load_x(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline fvec load_x(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  u16vec h;
+  std::memcpy(&h, p, sizeof h);
+  u32vec w = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float half_to_float(const c10::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);  // one instruction; c10's portable conversion is a dozen
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+inline float hsum(fvec v) {
+  float lanes[kVec], s = 0.f;
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int i = 0; i < kVec; ++i) s += lanes[i];
+  return s;
+}
+
+// Rows: kVec weights of row `n` from column `h` (a multiple of kVec), as
+// float32 before the row's `finish`.
+struct Int8Rows {
+  const int8_t* q;
+  const float* scale;
+  int64_t k;
+  fvec load(int64_t n, int64_t h) const {
+    i8vec v;
+    std::memcpy(&v, q + n * k + h, sizeof v);
+    return __builtin_convertvector(v, fvec);
+  }
+  float finish(int64_t n, float dot) const { return dot * scale[n]; }  // the scale is per row
+};
+
+struct Q41Rows {
+  const uint8_t* q;
+  const c10::Half* dm;
+  int64_t k;
+  fvec load(int64_t n, int64_t h) const {
+    const int64_t block = h / kBlock, within = h % kBlock;
+    u8vec packed;
+    std::memcpy(&packed, q + n * (k / 2) + block * (kBlock / 2) + within % (kBlock / 2), sizeof packed);
+    // A block's first 16 weights are its bytes' low nibbles, the last 16 the high ones.
+    const u8vec nibbles = within < kBlock / 2 ? (packed & 0x0F) : (packed >> 4);
+    const c10::Half* p = dm + (n * (k / kBlock) + block) * 2;
+    return __builtin_convertvector(nibbles, fvec) * half_to_float(p[0]) + half_to_float(p[1]);
+  }
+  float finish(int64_t, float dot) const { return dot; }
+};
+
+// y[j * y_stride + r] = x_j . w_(r0 + r) for JB rows of x (x_stride apart)
+// and the nk weight rows from r0, in float32, KT weight rows at a time (a
+// tile past nk repeats the last row and drops its result).
+template <typename T, int JB, int KT, typename Rows>
+void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int64_t nk, int64_t k_dim,
+                T* y, int64_t y_stride) {
+  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
+    int64_t r[KT];
+    for (int kk = 0; kk < KT; ++kk) r[kk] = r0 + std::min<int64_t>(k0 + kk, nk - 1);
+    fvec acc[JB][KT] = {};
+    for (int64_t b = 0; b < k_dim; b += kBlock) {
+#pragma GCC unroll 4
+      for (int64_t h = b; h < b + kBlock; h += kVec) {
+        fvec xv[JB];
+        for (int jj = 0; jj < JB; ++jj) xv[jj] = load_x(x + jj * x_stride + h);
+        for (int kk = 0; kk < KT; ++kk) {
+          const fvec wv = rows.load(r[kk], h);
+          for (int jj = 0; jj < JB; ++jj) acc[jj][kk] += xv[jj] * wv;
+        }
+      }
+    }
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk)
+        y[jj * y_stride + k0 + kk] = static_cast<T>(rows.finish(r[kk], hsum(acc[jj][kk])));
+  }
+}
+
+template <typename T, typename Rows>
+void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k, const T* bias,
+                 T* out, int64_t out_stride) {
+  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
+      int64_t j = 0;
+      for (; j + 4 <= m; j += 4)
+        dot_rows_q<T, 4, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+      for (; j < m; ++j) dot_rows_q<T, 1, kTileRowsX1>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
+      if (bias != nullptr) {
+        for (int64_t jj = 0; jj < m; ++jj)
+          for (int64_t c = n0; c < n0 + nr; ++c)
+            out[jj * out_stride + c] = static_cast<T>(static_cast<float>(out[jj * out_stride + c]) +
+                                                      static_cast<float>(bias[c]));
+      }
+    }
+  });
+}
+
+// Checks what both formats share: x [M, K] (K a multiple of 32) and out
+// [M, N] of one float dtype with unit column stride, an optional contiguous
+// bias [N].
+bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, const torch::Tensor& out) {
+  const auto dtype = x.scalar_type();
+  bool ok = x.dim() == 2 && out.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+            out.scalar_type() == dtype && x.stride(1) == 1 && out.stride(1) == 1 && x.size(1) % kBlock == 0;
+  if (bias.has_value()) ok = ok && bias->scalar_type() == dtype && bias->dim() == 1 && bias->is_contiguous();
+  return ok;
+}
+
+template <typename Rows>
+void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::optional<torch::Tensor>& bias,
+              torch::Tensor& out) {
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
+  TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
+  if (x.scalar_type() == at::kFloat) {
+    linear_impl<float>(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
+                       bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+  } else {
+    using bf16 = c10::BFloat16;
+    linear_impl<bf16>(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1),
+                      bias.has_value() ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0));
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K] int8, scale [N] float32, bias [N] or
+// none, out [M, N] in x's dtype. False (nothing done) for tensors this kernel
+// does not take, so the caller uses the torch twin.
+bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
+  if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
+      scale.scalar_type() != at::kFloat || !scale.is_contiguous())
+    return false;
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1) && scale.numel() == q.size(0),
+              "int8_linear: x ", x.sizes(), ", q ", q.sizes(), ", scale ", scale.sizes());
+  dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out);
+  return true;
+}
+
+// x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K / 2] uint8, dm
+// [N, K / 32, 2] float16, bias [N] or none, out [M, N] in x's dtype.
+bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
+  if (!activations_ok(x, bias, out) || q.scalar_type() != at::kByte ||
+      !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
+    return false;
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
+                  dm.size(1) * kBlock == k && dm.size(2) == 2,
+              "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
+  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out);
+  return true;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
+  m.def("q4_1_linear", torch::wrap_pybind_function(q4_1_linear), "q4_1_linear");
+}

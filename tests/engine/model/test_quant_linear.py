@@ -1,0 +1,140 @@
+"""The quantized skinny kernels and their torch twin against a naive float64
+reference that decodes every weight element by element from the stored
+bytes (written apart from the quantizer's and the twin's vectorized code),
+over SmolLM2-135M's shapes and skewed row counts; and the quantizers
+against the bundled checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import quant_linear
+from tests.native import built_or_skip, recording
+
+HIDDEN, INTERMEDIATE, KV = 576, 1536, 192  # SmolLM2-135M
+SHAPES = {"q/o": (HIDDEN, HIDDEN), "k/v": (KV, HIDDEN), "qkv": (HIDDEN + 2 * KV, HIDDEN),
+          "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE), "head_rows": (4099, HIDDEN)}
+ROWS = [1, 3, 7, 16, 33, 64]
+# Both paths sum in float32 (the kernel in its own order); bfloat16 output
+# rounds to 8 bits of mantissa.
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return built_or_skip(quant_linear.load_kernel, "CPU quantized linear kernel")
+
+
+def naive_weight(qw) -> torch.Tensor:
+    """The float64 [N, K] weight a quantized one stands for, decoded one
+    column at a time from the documented layout."""
+    if isinstance(qw, quant_linear.Int8Weight):
+        return qw.q.double() * qw.scale.double()[:, None]
+    n, k = qw.shape
+    w = torch.empty(n, k, dtype=torch.float64)
+    for col in range(k):
+        block, within = divmod(col, 32)
+        byte = qw.q[:, block * 16 + within % 16].long()
+        value = byte % 16 if within < 16 else byte // 16
+        d, m = qw.dm[:, block, 0].double(), qw.dm[:, block, 1].double()
+        w[:, col] = d * value + m
+    return w
+
+
+def _weights(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, k = shape
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    return {"int8": quant_linear.quantize_int8(w), "int4": quant_linear.quantize_q4_1(w)}, gen
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """shape -> (quantized weights by format, their naive float64 decoding)."""
+    found = {}
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        qws, _ = _weights(shape, seed=i)
+        found[name] = (qws, {fmt: naive_weight(qw) for fmt, qw in qws.items()})
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dtype):
+    qws, ref_weights = cases[shape]
+    qw, ref_w = qws[fmt], ref_weights[fmt]
+    gen = torch.Generator().manual_seed(len(shape))
+    for rows in ROWS:
+        x = torch.randn(rows, qw.shape[1], generator=gen).to(dtype)
+        expected = x.double() @ ref_w.T
+        out = torch.empty(rows, qw.shape[0], dtype=dtype)
+        assert qw.run_kernel(kernel, x, None, out)
+        torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
+        twin = quant_linear.twin(x, qw)
+        assert twin.dtype == dtype
+        torch.testing.assert_close(twin.double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_bias_and_strided_rows(kernel, fmt):
+    qws, gen = _weights((80, 96), seed=9)
+    qw = qws[fmt]
+    x = torch.randn(5, 200, generator=gen)[:, 7:103]  # rows 200 apart
+    bias = torch.randn(80, generator=gen)
+    rec = recording(kernel, "int8_linear" if fmt == "int8" else "q4_1_linear")
+    got = quant_linear.linear(rec, x, qw, bias)
+    assert rec.handled == [True]
+    expected = x.double() @ naive_weight(qw).T + bias.double()
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["float16", "k_not_multiple_of_32"])
+def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
+    k = 48 if case == "k_not_multiple_of_32" else 64
+    w = torch.randn(32, k)
+    qw = quant_linear.quantize_int8(w)
+    x = torch.randn(3, k).to(torch.float16 if case == "float16" else torch.float32)
+    rec = recording(kernel, "int8_linear")
+    got = quant_linear.linear(rec, x, qw)
+    assert rec.handled == [False]
+    assert torch.equal(got, quant_linear.twin(x, qw))
+
+
+def test_a_shape_mismatch_raises(kernel):
+    qw = quant_linear.quantize_q4_1(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="q4_1_linear"):
+        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32))
+
+
+def test_quantizers_keep_zero_rows_and_flat_blocks_exact():
+    w = torch.randn(4, 64)
+    w[1] = 0.0
+    w[2, :32] = 0.25  # one block of equal values: d = 0
+    for qw in (quant_linear.quantize_int8(w), quant_linear.quantize_q4_1(w)):
+        back = naive_weight(qw)
+        assert torch.equal(back[1], torch.zeros(64, dtype=torch.float64))
+    assert torch.equal(naive_weight(quant_linear.quantize_q4_1(w))[2, :32], torch.full((32,), 0.25, dtype=torch.float64))
+
+
+def test_int4_needs_blocks_of_32():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quant_linear.quantize_q4_1(torch.randn(8, 48))
+
+
+@pytest.mark.smollm
+def test_int4_reproduces_the_bundled_q4_1_linears(smollm_dir):
+    """The bundled SmolLM2 ships its linears as GGUF Q4_1: requantized, they
+    come back as they were (d and m are float16 in both); int8 per channel
+    stays within half a step of its scale."""
+    from safetensors import safe_open
+
+    with safe_open(str(smollm_dir / "model.safetensors"), "pt") as f:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                     "model.layers.29.mlp.down_proj.weight", "model.layers.13.mlp.up_proj.weight"):
+            w = f.get_tensor(name).double()
+            assert torch.allclose(naive_weight(quant_linear.quantize_q4_1(w.float())), w, atol=1e-6, rtol=0)
+            int8 = quant_linear.quantize_int8(w.float())
+            err = (naive_weight(int8) - w).abs().amax(dim=1)
+            assert bool((err <= int8.scale.double() * 0.5 + 1e-7).all())

@@ -1,0 +1,124 @@
+"""--quantization int8 / int4 end to end.
+
+On the tiny random Llama, the quantized engine, with and without a LoRA
+adapter, is token-for-token HF transformers + peft on a checkpoint holding
+the dequantized weights (decoded by the kernel test's naive reference): the
+quantization changes the weights, nothing else. On the real SmolLM2, greedy
+output agrees with float32 at the rates stated below.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.errors import ValidationError
+from engine.model import quant_linear
+from tests.adapters.conftest import ALL_MODULES, build_peft_adapter
+from tests.engine.model.test_quant_linear import naive_weight
+
+NEW_TOKENS = 12
+PROMPTS = ["The quick brown fox jumps over the lazy dog and", "Write a haiku about rivers:",
+           "Paged attention stores keys and values in fixed-size blocks, so"]
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def dequantized_checkpoint(model_dir, out_dir, method: str):
+    """`model_dir` with every projection replaced by its `method` round trip
+    and an untied LM head holding the int8 round trip of the embeddings."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(model.config.num_hidden_layers):
+        for proj in PROJECTIONS:
+            name = f"model.layers.{i}.{proj}.weight"
+            state[name] = naive_weight(quant_linear.quantize(state[name], method)).float()
+    head = quant_linear.quantize(state["model.embed_tokens.weight"], quant_linear.HEAD_QUANTIZATION[method])
+    state["lm_head.weight"] = naive_weight(head).float()
+    model.config.tie_word_embeddings = False
+    untied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    untied.load_state_dict(state)
+    untied.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+
+
+def peft_greedy(model_dir, adapter_dir, requests) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    models = {None: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+              "a": PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                             adapter_dir).eval()}
+    outs = []
+    with torch.inference_mode():
+        for prompt, adapter in requests:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            gen = models[adapter].generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                           pad_token_id=tok.eos_token_id)
+            outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("kernel", ["on", "off"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_engine_with_lora_matches_peft_on_dequantized_weights(
+        tiny_llama_dir, tmp_path, monkeypatch, method, kernel):
+    if kernel == "off":  # the torch twin everywhere
+        monkeypatch.setenv("LORAGW_CPU_LINEAR_KERNEL", "0")
+    adapter_dir = tmp_path / "adapter"
+    build_peft_adapter(tiny_llama_dir, adapter_dir, r=8, lora_alpha=16, target_modules=ALL_MODULES)
+    reference_dir = tmp_path / "dequantized"
+    dequantized_checkpoint(tiny_llama_dir, reference_dir, method)
+    requests = [(p, a) for p in PROMPTS for a in ("a", None)]
+    expected = peft_greedy(reference_dir, adapter_dir, requests)
+
+    llm = LLM(str(tiny_llama_dir), quantization=method, data_dir=str(tmp_path / "registry"), max_loras=2,
+              max_lora_rank=8)
+    llm.adapters.import_dir("a", adapter_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate([p for p, _ in requests], params, adapters=[a for _, a in requests])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    linears = llm.engine.core.runner.model.packed_linears().values()
+    assert all(lin.weight is None and lin.qweight is not None for lin in linears)  # no float copy kept
+
+
+def test_quantization_is_a_validated_setting():
+    assert EngineConfig.from_flat(quantization="int4").quantization == "int4"
+    with pytest.raises(ValidationError, match="quantization"):
+        EngineConfig(quantization="int3")
+    # Every value but "none" has a quantizer, and nothing else does.
+    from engine.config import _QUANTIZATIONS
+
+    assert set(_QUANTIZATIONS) == {"none", *quant_linear.QUANTIZERS}
+
+
+# Greedy agreement with float32 on the real SmolLM2: the share of generated
+# tokens equal, position by position, over 8 prompts x 24 tokens (a prompt
+# that diverges early counts all its later tokens as misses). Measured on
+# this host: int8 154/192 = 0.80, int4 173/192 = 0.90 (int4 linears are exactly
+# the GGUF's, so only the int8 head differs; int8 per channel re-rounds the
+# 4-bit weights). The thresholds leave a margin below.
+AGREEMENT = {"int8": 0.7, "int4": 0.8}
+SMOLLM_PROMPTS = ["Hello", "Why is the sky blue?", "Write a short poem about autumn leaves falling in the park.",
+                  "The capital of France is", "Explain continuous batching in one paragraph.",
+                  "List three prime numbers and explain why they are prime.",
+                  "Once upon a time, in a village by the sea,", "def fibonacci(n):"]
+
+
+@pytest.mark.smollm
+def test_greedy_agreement_with_float32_on_smollm2():
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    runs = {}
+    for method in ("none", "int8", "int4"):
+        outs = LLM(quantization=method, num_kv_blocks=64).generate(SMOLLM_PROMPTS, params)
+        runs[method] = [o.outputs[0].token_ids for o in outs]
+    total = sum(len(t) for t in runs["none"])
+    for method, threshold in AGREEMENT.items():
+        same = sum(a == b for x, y in zip(runs["none"], runs[method]) for a, b in zip(x, y))
+        assert same / total >= threshold, f"{method}: {same}/{total} tokens agree with float32"
