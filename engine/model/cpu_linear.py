@@ -12,19 +12,21 @@ This kernel (engine/csrc/cpu_linear.cpp) reads each weight row once per
 call and computes every token row's dot product with it from L1, in
 register tiles (4 token rows x 4 weight rows, or 1 x 16 for a single row),
 float32 accumulation for float32 and bfloat16 alike, threads splitting the
-weight rows. torch's F.linear is the twin that the tests hold it to. It is
-switched off by LORAGW_CPU_LINEAR_KERNEL=0 and built like the other kernels
-(native/__init__.py).
+weight rows. torch's F.linear is the twin that
+the tests hold it to. It is switched off by LORAGW_CPU_LINEAR_KERNEL=0 and
+built like the other kernels (native/__init__.py).
 
-Where the GEMM wins again depends on the host. The first limit, 32 rows,
-was only where the measurements stopped. On our 2-core AMD EPYC with
-AVX-512, torch's MKL GEMM turned out slower than the kernel at every row
-count up to 1,024, prefill chunks included (1.3x there;
-`benchmarks/linear_kernel.py`); MKL picks its code path by CPU vendor and
-model, so an Intel host with its AVX-512 GEMM may well cross over much
-sooner. So the limit is measured once per process, dtype and thread count
-(`row_limit`: ~170 ms, when the model is built), never below MIN_ROW_LIMIT,
-or set outright by LORAGW_CPU_LINEAR_MAX_ROWS.
+Where the GEMM wins depends on the host. On a 2-core AMD EPYC with AVX-512,
+torch's MKL GEMM was slower than the kernel at every row count up to 1,024,
+prefill chunks included (1.3x there; `benchmarks/linear_kernel.py`). On a
+2-core AMD EPYC (Zen 3) with AVX2 only, MKL won from one row: the kernel's
+16-lane vectors are two registers each there, and its tiles spill (a
+standalone build with 8-lane vectors matched MKL, no more). MKL picks its
+code path by CPU vendor and model, so no fixed limit holds: the limit is
+measured once per process, dtype and thread count (`row_limit`, from one
+row to 1,024, when the model is built), 0 where torch wins from the start,
+or set outright by LORAGW_CPU_LINEAR_MAX_ROWS. The quantized kernels
+(quant_linear.py) calibrate theirs the same way.
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.
@@ -47,12 +49,11 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LORAGW_CPU_LINEAR_KERNEL"
 ROWS_ENV = "LORAGW_CPU_LINEAR_MAX_ROWS"
-# The kernel beat torch's GEMM up to here on every host measured; the
-# calibration never goes below it.
-MIN_ROW_LIMIT = 32
-# Row counts the calibration tries past MIN_ROW_LIMIT, on a gate_proj-sized
-# weight (1536 x 576: bigger than a core's L2, as every weight of the model).
-CALIBRATION_ROWS = (64, 128, 256, 512, 1024)
+# Row counts the calibration tries, on a gate_proj-sized weight (1536 x 576:
+# bigger than a core's L2, as every weight of the model). It starts at one
+# row: on a host whose vectors the kernel's tiles do not fit, torch may win
+# at every count.
+CALIBRATION_ROWS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 CALIBRATION_SHAPE = (1536, 576)
 CALIBRATION_REPEATS = 5
 SOURCE = Path(__file__).parents[1] / "csrc" / "cpu_linear.cpp"
@@ -77,50 +78,74 @@ def row_limit(dtype: torch.dtype, threads: int) -> int:
     """The most token rows the kernel takes in `dtype` with `threads` torch
     threads (the current count, which the measurement runs at) on this host:
     LORAGW_CPU_LINEAR_MAX_ROWS when set, else measured against F.linear."""
-    env = os.environ.get(ROWS_ENV)
-    if env:
-        try:
-            limit = int(env)
-        except ValueError:
-            raise ValueError(f"{ROWS_ENV}={env!r} is not a number of rows") from None
-        if limit < 0:
-            raise ValueError(f"{ROWS_ENV}={env!r} must be >= 0")
-        return limit
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
-        return MIN_ROW_LIMIT
+        return env_row_limit() or 0
+    weight = calibration_weight(dtype)
+    return calibrated_limit("CPU linear kernel", dtype, threads,
+                            lambda x, out: kernel.skinny_linear(x, weight, None, out),
+                            lambda x: F.linear(x, weight))
+
+
+def env_row_limit() -> int | None:
+    env = os.environ.get(ROWS_ENV)
+    if not env:
+        return None
+    try:
+        limit = int(env)
+    except ValueError:
+        raise ValueError(f"{ROWS_ENV}={env!r} is not a number of rows") from None
+    if limit < 0:
+        raise ValueError(f"{ROWS_ENV}={env!r} must be >= 0")
+    return limit
+
+
+def calibration_weight(dtype: torch.dtype) -> torch.Tensor:
+    n, k = CALIBRATION_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+
+
+def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, run_torch) -> int:
+    """LORAGW_CPU_LINEAR_MAX_ROWS when set, else the crossover of
+    `run_kernel(x, out)` against `run_torch(x)`, logged."""
+    env = env_row_limit()
+    if env is not None:
+        return env
     t0 = time.perf_counter()
-    limit = crossover(measure(kernel, dtype))
-    log.info("CPU linear kernel: up to %d rows in %s on %d threads (calibrated in %.0f ms)", limit,
+    limit = crossover(measure(run_kernel, run_torch, dtype))
+    log.info("%s: up to %d rows in %s on %d threads (calibrated in %.0f ms)", what, limit,
              str(dtype).removeprefix("torch."), threads, (time.perf_counter() - t0) * 1e3)
     return limit
 
 
-def measure(kernel, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+def measure(run_kernel, run_torch, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
     """rows -> (kernel, torch) seconds, each the best of CALIBRATION_REPEATS
-    interleaved runs (the best is the least disturbed by other processes)."""
-    gen = torch.Generator().manual_seed(0)
+    interleaved runs (the best is the least disturbed by other processes),
+    up to the first row count where torch wins: past it the kernel takes
+    nothing, and on a host where it is slow its large calls are slow too."""
+    gen = torch.Generator().manual_seed(1)
     n, k = CALIBRATION_SHAPE
-    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
     timings = {}
     for rows in CALIBRATION_ROWS:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
         best = [float("inf"), float("inf")]
         for _ in range(CALIBRATION_REPEATS):
-            for i, run in enumerate((lambda: kernel.skinny_linear(x, weight, None, out),
-                                     lambda: F.linear(x, weight))):
+            for i, run in enumerate((lambda: run_kernel(x, out), lambda: run_torch(x))):
                 t0 = time.perf_counter()
                 run()
                 best[i] = min(best[i], time.perf_counter() - t0)
         timings[rows] = (best[0], best[1])
+        if best[0] >= best[1]:
+            break
     return timings
 
 
 def crossover(timings: dict[int, tuple[float, float]]) -> int:
     """The largest row count up to which the kernel was faster at every
-    measured point (MIN_ROW_LIMIT when it lost at the first)."""
-    limit = MIN_ROW_LIMIT
+    measured point (0 when it lost at the first)."""
+    limit = 0
     for rows in sorted(timings):
         kernel_s, torch_s = timings[rows]
         if kernel_s >= torch_s:

@@ -250,8 +250,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
         self._quant_kernel = quant_linear.load_kernel() if quantized and self.device.type == "cpu" else None
+        # Measured now, not in the first step.
         if self._cpu_linear is not None:
-            cpu_linear.row_limit(dtype, torch.get_num_threads())  # measured now, not in the first step
+            cpu_linear.row_limit(dtype, torch.get_num_threads())
+        if self._quant_kernel is not None:
+            quant_linear.row_limit(dtype, torch.get_num_threads())
 
     def forward(
         self,

@@ -15,8 +15,8 @@ Formats (both quantized from the float32 checkpoint when the model loads):
         rounding of d and m (`tests/engine/model/test_quant_linear.py`).
 
 The C++ kernel (engine/csrc/quant_linear.cpp) is cpu_linear's skinny kernel
-with a dequantizing weight load; it takes up to `cpu_linear.row_limit` rows,
-like the float kernel. Larger calls (long prefill chunks), other devices
+with a dequantizing weight load; it takes up to `row_limit` rows, measured
+against the twin when the model is built, as the float kernel's. Larger calls (long prefill chunks), other devices
 (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the torch twin: dequantize the
 weight for the call, then F.linear. No float copy is kept, so memory holds
 the quantized weights only; `benchmarks/quant_linear.py` measures what the
@@ -25,6 +25,7 @@ per-call dequantization costs a long chunk.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,11 +132,24 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     """x [T, K] @ dequant(weight)^T (+ bias) -> [T, N] in x's dtype: by the
     kernel for up to `row_limit` rows when it takes the tensors, else the
     torch twin (`kernel` None: always the twin)."""
-    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_linear.row_limit(x.dtype, torch.get_num_threads()):
+    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads()):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
             return out
     return twin(x, weight, bias)
+
+
+@functools.cache
+def row_limit(dtype: torch.dtype, threads: int) -> int:
+    """The most token rows the quantized kernel takes on this host, measured
+    (int8, as cpu_linear.row_limit) against the twin it replaces."""
+    kernel = load_kernel()
+    if kernel is None or dtype not in (torch.float32, torch.bfloat16):
+        return cpu_linear.env_row_limit() or 0
+    weight = quantize_int8(cpu_linear.calibration_weight(torch.float32))
+    return cpu_linear.calibrated_limit("CPU quantized linear kernel", dtype, threads,
+                                       lambda x, out: weight.run_kernel(kernel, x, None, out),
+                                       lambda x: twin(x, weight))
 
 
 def twin(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
