@@ -105,10 +105,16 @@ class SpeculativeConfig:
                                help="speculative decoding: ngram drafts tokens by prompt lookup")
     num_speculative_tokens: int = setting(4, help="draft tokens per speculating sequence and step")
     # vLLM's names. Longer n-grams draft less often but are accepted more.
+    # Measured (benchmarks/spec_decode.py, docs/benchmarks.md): with a
+    # 1-token minimum, answers that copy little drafted on most steps and
+    # accepted 2-9%, running at half the plain speed; with 3, they drafted
+    # rarely (0.88-1.07x) while copying answers still accepted 94-100%.
     prompt_lookup_max: int = setting(4, help="longest n-gram prompt lookup matches")
-    prompt_lookup_min: int = setting(1, help="shortest n-gram prompt lookup matches")
+    prompt_lookup_min: int = setting(3, help="shortest n-gram prompt lookup matches")
     # Drafts cost compute that a big batch has no spare of: on the CPU a
-    # step's time grows with its tokens. Measured by benchmarks/spec_decode.py.
+    # step's time grows with its tokens. Measured on the 2-core CPU: copying
+    # workloads gained 1.4-1.6x up to 4 decoding sequences, and at 8 every
+    # workload lost (0.55-0.85x).
     speculative_disable_batch_size: int = setting(
         4, help="no speculation in a step with more running decode sequences than this")
 
