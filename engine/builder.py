@@ -19,6 +19,7 @@ from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, lo
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.spec_decode.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
     kv = KVCacheManager(num_blocks, cache.block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=cache.enable_prefix_caching)
     slot_policy = AdapterSlotPolicy(config.lora.max_loras, config.lora.max_slot_wait_steps)
-    scheduler = Scheduler(sched_config, kv, slot_policy)
+    speculation = SpeculationPolicy(config.speculative_config) if config.speculative_config.enabled else None
+    scheduler = Scheduler(sched_config, kv, slot_policy, speculation)
     lora, registry = _build_lora(config, loaded, dtype, device)
     if lora is not None:
         scheduler.adapters.is_ready = lora.slots.is_ready

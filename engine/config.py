@@ -1,4 +1,4 @@
-"""Engine configuration, in sections: scheduler, KV cache, LoRA.
+"""Engine configuration, in sections: scheduler, KV cache, LoRA, speculative decoding.
 
 Every field has a default that works on the CPU, and nothing here reads
 model files: tests build configs freely. Each field is declared once, with
@@ -93,6 +93,48 @@ class LoraConfig:
             raise ValidationError("max_lora_rank", "max_lora_rank must be >= 1 and max_cpu_loras >= 0")
 
 
+# ---- speculative decoding (engine/spec_decode/) ----------------------------------
+
+_SPECULATIVE_METHODS = ("off", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Draft tokens proposed by n-gram prompt lookup and verified in one
+    forward pass; greedy output is the same as without speculation."""
+
+    speculative: str = setting("off", choices=_SPECULATIVE_METHODS,
+                               help="speculative decoding: ngram drafts tokens by prompt lookup")
+    num_speculative_tokens: int = setting(4, help="draft tokens per speculating sequence and step")
+    # vLLM's names. Longer n-grams draft less often but are accepted more.
+    # Measured (benchmarks/spec_decode.py, docs/benchmarks.md): with a
+    # 1-token minimum, answers that copy little drafted on most steps and
+    # accepted 2-9%, running at half the plain speed; with 3, they drafted
+    # rarely (0.88-1.07x) while copying answers still accepted 94-100%.
+    prompt_lookup_max: int = setting(4, help="longest n-gram prompt lookup matches")
+    prompt_lookup_min: int = setting(3, help="shortest n-gram prompt lookup matches")
+    # Drafts cost compute that a big batch has no spare of: on the CPU a
+    # step's time grows with its tokens. Measured on the 2-core CPU: copying
+    # workloads gained 1.4-1.6x up to 4 decoding sequences, and at 8 every
+    # workload lost (0.55-0.85x).
+    speculative_disable_batch_size: int = setting(
+        4, help="no speculation in a step with more running decode sequences than this")
+
+    def __post_init__(self) -> None:
+        if self.speculative not in _SPECULATIVE_METHODS:
+            raise ValidationError("speculative", f"must be one of {_SPECULATIVE_METHODS}")
+        if self.num_speculative_tokens < 1:
+            raise ValidationError("num_speculative_tokens", "must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValidationError("prompt_lookup_min", "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.speculative_disable_batch_size < 1:
+            raise ValidationError("speculative_disable_batch_size", "must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative != "off"
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `loragw serve` and `loragw worker` accept."""
@@ -115,6 +157,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig, title="scheduler")
     cache: CacheConfig = section(CacheConfig, title="KV cache")
     lora: LoraConfig = section(LoraConfig, title="LoRA")
+    speculative_config: SpeculativeConfig = section(SpeculativeConfig, title="speculative decoding")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

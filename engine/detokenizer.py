@@ -80,6 +80,10 @@ class IncrementalDetokenizer:
         return self.output_text + self._pending
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
+    @property
     def finished(self) -> bool:
         """A stop string matched, or finish() was called."""
         return self._done

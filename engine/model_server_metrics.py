@@ -13,6 +13,9 @@ table and "LoRA Adapter Serving"), which names vLLM's series:
   blocks; cached blocks nobody holds count as free, as in vLLM);
 - `vllm:cache_config_info{block_size, num_gpu_blocks}`: an info gauge of 1;
   the EPP's prefix scorer reads both labels;
+- `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
+  `vllm:spec_decode_num_accepted_tokens`: vLLM's speculative-decoding
+  counters (not in the protocol; dashboards built for vLLM read them);
 - `vllm:lora_requests_info{max_lora, running_lora_adapters,
   waiting_lora_adapters}`: a gauge whose value is the time of the update
   (the EPP takes the series with the largest value as the current one). The
@@ -29,10 +32,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.snapshot import EngineSnapshot
+from engine.snapshot_metrics import spec_decode_counters, spec_decode_values
 
 
 def _names(keys: tuple[tuple[str, int, str], ...]) -> str:
@@ -65,4 +69,7 @@ class ModelServerCollector(Collector):
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
         lora.add_metric([str(snap.num_lora_slots), _names(snap.resident_adapters), _names(snap.waiting_adapters)],
                         self._clock())
-        yield from (waiting, running, usage, cache, lora)
+        spec = spec_decode_counters(lambda name, doc: CounterMetricFamily(f"vllm:{name}", doc))
+        for family, value in zip(spec, spec_decode_values(snap)):
+            family.add_metric([], value)
+        yield from (waiting, running, usage, cache, lora, *spec)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import DetokenizerResult, IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from engine.request import FinishReason, fork_request_id
 from engine.sampling_params import SamplingParams
-from engine.step_io import RequestUpdate
+from engine.step_io import RequestUpdate, SampledToken
 
 
 @dataclass
@@ -165,13 +165,13 @@ class OutputProcessor:
         seq = group.sequences[upd.index]
         if seq.finished:
             return False
-        ids = [t.token_id for t in upd.new_tokens]
+        tokens, result = _detokenize(seq.detokenizer, upd.new_tokens)
+        ids = [t.token_id for t in tokens]
         group.num_output_tokens += len(ids)
         out = seq.new_output()
         out.token_ids.extend(ids)
         if out.logprobs is not None:
-            out.logprobs.extend(TokenLogprob(t.token_id, t.logprob, t.top_logprobs or ()) for t in upd.new_tokens)
-        result = seq.detokenizer.append(ids)
+            out.logprobs.extend(TokenLogprob(t.token_id, t.logprob, t.top_logprobs or ()) for t in tokens)
         out.text += result.new_text
         stopped_by_string = result.stop_matched is not None
         if stopped_by_string:
@@ -183,3 +183,20 @@ class OutputProcessor:
             out.text += seq.detokenizer.finish()
         # A stop string ends the sequence here even if the scheduler has not.
         return stopped_by_string and upd.finish_reason is None
+
+
+def _detokenize(detokenizer: IncrementalDetokenizer,
+                tokens: list[SampledToken]) -> tuple[list[SampledToken], DetokenizerResult]:
+    """Feed one update's tokens; the tokens kept and the text. Several tokens
+    (a speculative run) go in one at a time while stop strings are set, so
+    the output ends at the token that completed a stop string, as it would
+    have without speculation."""
+    if len(tokens) < 2 or not detokenizer.has_stop_strings:
+        return tokens, detokenizer.append([t.token_id for t in tokens])
+    text = []
+    for i, token in enumerate(tokens):
+        result = detokenizer.append([token.token_id])
+        text.append(result.new_text)
+        if result.stop_matched is not None:
+            return tokens[:i + 1], DetokenizerResult("".join(text), result.stop_matched)
+    return tokens, DetokenizerResult("".join(text), None)

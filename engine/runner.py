@@ -7,6 +7,7 @@ token, and measures the step's busy time.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,8 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.sampler import Sampler
-from engine.step_io import CopyOp, RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.spec_decode.verify import accepted_run
+from engine.step_io import CopyOp, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from adapters.runtime import LoraRuntime
@@ -67,21 +69,35 @@ class ModelRunner:
             finally:
                 if self.lora:
                     self.lora.end_step()
-            to_sample = [r for r in reqs if r.sample]
-            if to_sample:
-                # Only the last position of each sampling slice reaches the LM head.
-                last = meta.query_start_loc[1:].to(torch.int64) - 1
-                rows = torch.tensor([i for i, r in enumerate(reqs) if r.sample],
-                                    dtype=torch.int64, device=self.device)
-                logits = self.model.compute_logits(hidden[last[rows]])
-                grammar = self.grammar if self.grammar is not None and len(self.grammar) else None
-                if grammar is not None:
-                    grammar.apply(logits, to_sample)
-                sampled = self.sampler.sample(logits, to_sample, self.eos_token_ids)
-                if grammar is not None:
-                    grammar.advance(to_sample, sampled)
+            if any(r.sample for r in reqs):
+                sampled = self._sample(hidden, reqs)
         loads = self.lora.slots.take_loads() if self.lora else ()
         return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us(), adapter_loads=loads)
+
+    def _sample(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> dict[str, list[SampledToken]]:
+        """Sample every slice with sample=True. Only the rows sampled reach
+        the LM head: a slice's last position, or every position of a slice
+        with drafts, whose run is then verified (engine/spec_decode/verify.py)."""
+        hidden_rows, rows = sampling_rows(reqs)
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)])
+        grammar = self.grammar if self.grammar is not None and len(self.grammar) else None
+        if grammar is not None:
+            grammar.apply(logits, rows)  # drafting slices have no grammar
+        to_sample = [r for r in reqs if r.sample]
+        seeded = {r.request_id: self.sampler.seeded_state(r) for r in to_sample if r.draft_token_ids}
+        per_row = iter(self.sampler.sample_rows(logits, rows, self.eos_token_ids))
+        sampled = {}
+        for r in to_sample:
+            if not r.draft_token_ids:
+                sampled[r.request_id] = next(per_row)
+                continue
+            positions = [next(per_row)[0] for _ in range(len(r.draft_token_ids) + 1)]
+            sampled[r.request_id] = run = accepted_run(r.draft_token_ids, positions)
+            if seeded[r.request_id] is not None:
+                self.sampler.replay_seeded(r, seeded[r.request_id], len(run))
+        if grammar is not None:
+            grammar.advance(to_sample, sampled)
+        return sampled
 
     def _copy_blocks(self, copies: list[CopyOp]) -> None:
         src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.device)
@@ -120,6 +136,26 @@ class ModelRunner:
             block_size=bs,
         )
         return input_ids.to(dev), positions.to(dev), meta
+
+
+def sampling_rows(reqs: list[ScheduledRequest]) -> tuple[list[int], list[ScheduledRequest]]:
+    """The flattened positions whose logits are sampled, and the request
+    each row samples for. A slice with drafts samples at every position,
+    position i as if drafts[:i] were already output, so min_tokens and
+    the seeded stream see what plain decoding would."""
+    hidden_rows: list[int] = []
+    rows: list[ScheduledRequest] = []
+    end = 0
+    for r in reqs:
+        end += r.num_tokens
+        if not r.sample:
+            continue
+        drafts = r.draft_token_ids
+        for i in range(len(drafts) + 1):
+            hidden_rows.append(end - 1 - len(drafts) + i)
+            rows.append(dataclasses.replace(r, output_token_ids=r.output_token_ids + drafts[:i], num_samples=1,
+                                            draft_token_ids=[]) if drafts else r)
+    return hidden_rows, rows
 
 
 class _StepTimer:

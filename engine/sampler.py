@@ -66,15 +66,22 @@ class Sampler:
         for request_id in request_ids:
             self._seeded.pop(request_id, None)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                eos_token_ids: frozenset[int] = frozenset()) -> dict[str, list[SampledToken]]:
         """logits: [N, V] float32, row i for requests[i] (all with sample=True).
         Returns `num_samples` tokens per request_id. `logits` is not modified."""
+        rows = self.sample_rows(logits, requests, eos_token_ids)
+        return {r.request_id: samples for r, samples in zip(requests, rows)}
+
+    @torch.inference_mode()
+    def sample_rows(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                    eos_token_ids: frozenset[int] = frozenset()) -> list[list[SampledToken]]:
+        """As `sample`, by row: several rows may sample for one request (the
+        positions of a speculating slice, each its own ScheduledRequest)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
         assert all(r.sample for r in requests)
         if not requests:
-            return {}
+            return []
         logits = logits.to(torch.float32).contiguous()
         max_samples = max(r.num_samples for r in requests)
         overrides = _build_overrides(logits, requests, eos_token_ids)
@@ -166,6 +173,23 @@ class Sampler:
             u[list(i), list(j)] = torch.cat(seeded_values)
         return u
 
+    def seeded_state(self, req: ScheduledRequest) -> torch.Tensor | None:
+        """The state of a seeded random request's generator before this
+        step's draws (None for others), for `replay_seeded`."""
+        params = req.sampling_params
+        if params.seed is None or params.greedy:
+            return None
+        return self._seeded_generator(req, 0).get_state()
+
+    def replay_seeded(self, req: ScheduledRequest, state: torch.Tensor, num_draws: int) -> None:
+        """Put the generator where `num_draws` plain draws from `state` leave
+        it: a speculating request drew one uniform per position but keeps only
+        the tokens it emits, so its stream stays the one plain decoding uses."""
+        gen = self._seeded_generator(req, 0)
+        gen.set_state(state)
+        for _ in range(num_draws):
+            torch.rand(1, generator=gen, device=self.device)  # as _uniforms draws
+
     def _seeded_generator(self, req: ScheduledRequest, index: int) -> torch.Generator:
         key = fork_request_id(req.request_id, index)
         gen = self._seeded.get(key)
@@ -176,7 +200,7 @@ class Sampler:
         return gen
 
     def _assemble(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-                  tokens: torch.Tensor) -> dict[str, list[SampledToken]]:
+                  tokens: torch.Tensor) -> list[list[SampledToken]]:
         """SampledTokens per request, with raw logprobs where asked for."""
         want = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         chosen: list[list[float]] = []
@@ -187,16 +211,16 @@ class Sampler:
             chosen, top_ids, top_values = self._raw_logprobs(logits, want, tokens[want], max_top)
         slot = {row: n for n, row in enumerate(want)}
 
-        result: dict[str, list[SampledToken]] = {}
+        result: list[list[SampledToken]] = []
         for i, (r, row_tokens) in enumerate(zip(requests, tokens.tolist())):
             samples = row_tokens[: r.num_samples]
             n = slot.get(i)
             if n is None:
-                result[r.request_id] = [SampledToken(t) for t in samples]
+                result.append([SampledToken(t) for t in samples])
                 continue
             count = r.sampling_params.logprobs
             top = tuple(zip(top_ids[n][:count], top_values[n][:count])) if count else ()
-            result[r.request_id] = [SampledToken(t, chosen[n][j], top) for j, t in enumerate(samples)]
+            result.append([SampledToken(t, chosen[n][j], top) for j, t in enumerate(samples)])
         return result
 
     def _raw_logprobs(self, logits: torch.Tensor, rows: list[int], tokens: torch.Tensor,

@@ -29,6 +29,7 @@ from engine.config import SchedulerConfig
 from engine.errors import ValidationError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import AdapterKey, FinishReason, Request, RequestStatus, Tier, fork_request_id
+from engine.spec_decode.policy import SpeculationPolicy
 from engine.step_io import (
     CopyOp,
     Preemption,
@@ -45,8 +46,9 @@ from engine.step_io import (
 @dataclass
 class _Slice:
     request: Request
-    num_new: int
+    num_new: int  # drafts included
     copies: list[CopyOp]
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -59,13 +61,15 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterSlotPolicy):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterSlotPolicy,
+                 speculation: SpeculationPolicy | None = None):
         if config.max_model_len is None:
             raise ValidationError("max_model_len", "the scheduler needs a concrete limit (the builder "
                                                    "resolves None to the model's)")
         self.config = config
         self.kv = kv
         self.adapters = adapters
+        self.speculation = speculation  # None: no speculative decoding
         self.block_size = kv.block_size
         self.waiting: dict[Tier, deque[Request]] = {Tier.PREMIUM: deque(), Tier.STANDARD: deque()}
         self.running: list[Request] = []  # kept sorted by _priority
@@ -151,7 +155,9 @@ class Scheduler:
         # behind standard prefill, which keeps premium TTFT near an idle
         # server's. Standard decodes still go before premium prefill so that
         # they grow in the shared pool and premium can use its reserve.
-        self._schedule_running_all([r for r in self.running if r.num_remaining_tokens == 1], plan)
+        decodes = [r for r in self.running if r.num_remaining_tokens == 1]
+        speculate = self.speculation is not None and self.speculation.speculates_this_step(len(decodes))
+        self._schedule_running_all(decodes, plan, speculate)
         for tier in self._tier_order():
             budget_before = plan.budget
             held_back = self._held_back(plan, tier)
@@ -186,11 +192,17 @@ class Scheduler:
             if req is None:
                 continue
             req.cached_reported = True
-            req.num_computed_tokens = item.start_pos + item.num_tokens
+            samples = runner.sampled.get(item.request_id, [])
+            # A rejected draft's KV is garbage: it stays past num_computed_tokens,
+            # to be overwritten, and is never hashed or billed as recompute.
+            num_rejected = len(item.draft_token_ids) - (len(samples) - 1) if item.draft_token_ids else 0
+            req.num_computed_tokens = item.start_pos + item.num_tokens - num_rejected
             req.computed_high_water = max(req.computed_high_water, req.num_computed_tokens)
             if not item.sample:
                 continue
-            samples = runner.sampled[item.request_id]
+            if item.draft_token_ids:
+                updates.append(self._append_run(req, item.draft_token_ids, samples))
+                continue
             if item.num_samples > 1:
                 updates.extend(self._fork(req, samples[1:]))
             updates.append(self._append_token(req, samples[0]))
@@ -207,12 +219,28 @@ class Scheduler:
 
     # ---- scheduling helpers ----------------------------------------------------------
 
-    def _schedule_running_all(self, reqs: list[Request], plan: _StepPlan) -> None:
+    def _schedule_running_all(self, reqs: list[Request], plan: _StepPlan, speculate: bool = False) -> None:
         for req in reqs:
             if plan.budget == 0:
                 return
-            if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            if not (speculate and self._schedule_with_drafts(req, plan)):
                 self._schedule_running(req, plan)
+
+    def _schedule_with_drafts(self, req: Request, plan: _StepPlan) -> bool:
+        """A decode slice of [last token] + drafts, if the request drafts and
+        their slots are free: drafts never preempt anyone (False: decode it
+        plainly). Draft slots hold no known token, so they are not hashed."""
+        drafts = self.speculation.drafts(req, plan.budget)
+        if not drafts:
+            return False
+        alloc = self.kv.allocate_slots(req, 1 + len(drafts))
+        if alloc is None:
+            return False
+        plan.slices[req.request_id] = _Slice(req, 1 + len(drafts), alloc.copies, drafts)
+        plan.budget -= 1 + len(drafts)
+        return True
 
     def _schedule_running(self, req: Request, plan: _StepPlan) -> None:
         num_new = min(req.num_remaining_tokens, plan.budget)
@@ -338,11 +366,12 @@ class Scheduler:
     def _scheduled(self, s: _Slice) -> ScheduledRequest:
         req = s.request
         start = req.num_computed_tokens
-        sample = start + s.num_new == req.num_tokens
+        end = start + s.num_new - len(s.drafts)  # of the known tokens
+        sample = end == req.num_tokens
         return ScheduledRequest(
             request_id=req.request_id,
             group_id=req.group_id,
-            token_ids=_token_slice(req, start, start + s.num_new),
+            token_ids=_token_slice(req, start, end) + s.drafts,
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
             sample=sample,
@@ -355,6 +384,7 @@ class Scheduler:
             prompt_len=req.num_prompt_tokens,
             computed_high_water=req.computed_high_water,
             cached_prompt_tokens=0 if req.cached_reported else req.num_cached_prompt_tokens,
+            draft_token_ids=s.drafts,
         )
 
     # ---- update helpers ----------------------------------------------------------
@@ -387,6 +417,23 @@ class Scheduler:
             self.adapters.on_running(child)
             updates.append(self._append_token(child, sample))
         return updates
+
+    def _append_run(self, req: Request, drafts: list[int], run) -> RequestUpdate:
+        """Append a verified run (accepted drafts and one more token), cut at
+        the first token that finishes the request."""
+        num_accepted = len(run) - 1
+        assert 0 <= num_accepted <= len(drafts)
+        assert [t.token_id for t in run[:num_accepted]] == drafts[:num_accepted], "a rejected draft was emitted"
+        self.speculation.stats.observe(len(drafts), num_accepted)
+        emitted, reason = [], None
+        for sample in run:
+            emitted.append(sample)
+            req.output_token_ids.append(sample.token_id)
+            reason = self._stop_reason(req, sample.token_id)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        return RequestUpdate(req.request_id, req.group_id, req.index, emitted, reason)
 
     def _append_token(self, req: Request, sample) -> RequestUpdate:
         req.output_token_ids.append(sample.token_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.request import Tier
+from engine.spec_decode.policy import SpecDecodeStats
 
 # The most recent slot-load durations a snapshot carries.
 _RECENT_LOADS = 64
@@ -45,6 +46,11 @@ class EngineSnapshot:
     recent_adapter_load_seconds: tuple[float, ...] = ()
     steps: int = 0  # engine steps run, cumulative
     busy_time_us: int = 0  # the sum of those steps' busy time
+    # Speculative decoding, cumulative, as vLLM counts: sequence-steps that
+    # carried drafts, the drafts, and those the target model accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -81,6 +87,7 @@ def take_snapshot(llm_engine, counter: StepCounter | None = None) -> EngineSnaps
     kv = sched.kv
     usage = kv.usage()
     slots = llm_engine.lora_slots
+    spec = sched.speculation.stats if sched.speculation is not None else SpecDecodeStats()
     return EngineSnapshot(
         num_running=dict(sched.num_running), num_waiting=dict(sched.num_waiting),
         num_preemptions=dict(sched.num_preemptions),
@@ -94,7 +101,9 @@ def take_snapshot(llm_engine, counter: StepCounter | None = None) -> EngineSnaps
         adapter_loads=slots.num_loads if slots else 0,
         adapter_evictions=slots.num_evictions if slots else 0,
         recent_adapter_load_seconds=tuple(slots.recent_load_seconds)[-_RECENT_LOADS:] if slots else (),
-        steps=counter.steps if counter else 0, busy_time_us=counter.busy_time_us if counter else 0)
+        steps=counter.steps if counter else 0, busy_time_us=counter.busy_time_us if counter else 0,
+        spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
 
 
 def combine_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
@@ -126,4 +135,7 @@ def combine_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         host_adapters=union("host_adapters"), waiting_adapters=union("waiting_adapters"), adapter_loads=total("adapter_loads"),
         adapter_evictions=total("adapter_evictions"),
         recent_adapter_load_seconds=tuple(s for snap in snapshots for s in snap.recent_adapter_load_seconds),
-        steps=total("steps"), busy_time_us=total("busy_time_us"))
+        steps=total("steps"), busy_time_us=total("busy_time_us"),
+        spec_decode_num_drafts=total("spec_decode_num_drafts"),
+        spec_decode_num_draft_tokens=total("spec_decode_num_draft_tokens"),
+        spec_decode_num_accepted_tokens=total("spec_decode_num_accepted_tokens"))

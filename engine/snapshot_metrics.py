@@ -89,6 +89,7 @@ class _Families:
                               ["adapter", "version"])
         self.loads = counter("lora_adapter_loads", "Adapter loads into a device slot.")
         self.evictions = counter("lora_adapter_evictions", "Adapters evicted from a device slot.")
+        self.spec = spec_decode_counters(counter)
 
     def add(self, w: list[str], snap: EngineSnapshot) -> None:
         for tier in Tier:
@@ -110,10 +111,24 @@ class _Families:
             self.resident.add_metric([name, str(version), *w], 1)
         self.loads.add_metric(w, snap.adapter_loads)
         self.evictions.add_metric(w, snap.adapter_evictions)
+        for family, value in zip(self.spec, spec_decode_values(snap)):
+            family.add_metric(w, value)
 
     def all(self):
         return [self.running, self.waiting, self.preemptions, self.kv_usage, self.tier_usage, self.blocks,
-                self.prefix_queries, self.prefix_hits, self.resident, self.loads, self.evictions]
+                self.prefix_queries, self.prefix_hits, self.resident, self.loads, self.evictions, *self.spec]
+
+
+def spec_decode_counters(counter) -> tuple:
+    """vLLM's speculative-decoding counters, made by `counter(name, doc)`
+    (which adds the prefix): here `loragw:`, for the model server `vllm:`."""
+    return (counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+            counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+            counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."))
+
+
+def spec_decode_values(snap: EngineSnapshot) -> tuple[int, int, int]:
+    return (snap.spec_decode_num_drafts, snap.spec_decode_num_draft_tokens, snap.spec_decode_num_accepted_tokens)
 
 
 def serve_worker_metrics(snapshot: Callable[[], EngineSnapshot | None], *, port: int, host: str) -> None:

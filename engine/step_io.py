@@ -56,6 +56,9 @@ class ScheduledRequest:
     prompt_len: int = 0
     computed_high_water: int = 0  # positions below it were computed before a preemption
     cached_prompt_tokens: int = 0  # prefix-cache hit, reported on the first slice only
+    # Speculative decoding: the slice is [last known token] + these drafts,
+    # and the runner samples at every position of it (engine/spec_decode/).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +93,9 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    # request_id -> samples (one per num_samples) for requests with sample=True.
+    # request_id -> samples for requests with sample=True: one per
+    # num_samples; for a slice with drafts, the run to emit (the accepted
+    # drafts' samples and one more, engine/spec_decode/verify.py).
     sampled: dict[str, list[SampledToken]]
     # Measured busy time of the step on the device, integer microseconds.
     busy_time_us: int

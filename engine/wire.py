@@ -36,7 +36,8 @@ from engine.step_io import StepUsage
 
 # 2: SamplingParams gained `structured` (a grammar spec).
 # 3: EngineSnapshot gained `waiting_adapters`.
-PROTOCOL_VERSION = 3
+# 4: EngineSnapshot gained the spec_decode_* counters.
+PROTOCOL_VERSION = 4
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

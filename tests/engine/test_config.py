@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, flat_names
+from engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig, flat_names
 from engine.errors import ValidationError
 
-SECTIONS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "lora": LoraConfig}
+SECTIONS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "lora": LoraConfig,
+            "speculative_config": SpeculativeConfig}
 
 
 def test_every_setting_name_is_declared_once_across_the_sections():
