@@ -19,8 +19,8 @@ The servers run one after the other, never together:
                 GatewayProcess: a fresh data dir and SQLite file), one
                 process for every level, since none of its defaults depends
                 on the load. It serves the same GGUF, converted to float32
-                on first use, and on 2 cores runs one engine thread
-                (gateway/config.py) where llama-server gets two: that is
+                on first use (bfloat16 where the CPU has it natively), with
+                its worker on every core, as llama-server's `-t 2`: that is
                 what each does out of the box. The demo tenant's limits (4
                 concurrent, 60 requests a minute) are for trying it by
                 hand, so the client uses a standard-tier tenant without

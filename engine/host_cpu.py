@@ -17,12 +17,16 @@ import os
 from pathlib import Path
 
 ENV_SWITCH = "LORAGW_CPU_BFLOAT16"
-# Idle OpenMP threads sleep rather than spin. A worker shares its cores with
-# the gateway's event loop (and on a shared host with anything else), and a
-# spinning thread that loses its core stalls every parallel region at the
-# barrier; our kernels keep small calls on one thread where threads sleep
-# (native.threads_sleep). libgomp reads it once, when torch loads.
-OMP_WAIT_POLICY = "PASSIVE"
+# Idle OpenMP threads spin between parallel regions rather than sleep. A
+# step runs hundreds of small parallel regions, and waking sleeping threads
+# for each cost more than the gateway's share of the cores: through HTTP on
+# 2 cores (benchmarks/serve_peer.py), 2 spinning threads served 46.5 and
+# 68.3 tok/s at concurrency 16 and 64, 2 sleeping threads 28.6 and 49.8, one
+# thread 39.7 and 57.7 (docs/engine.md, "Defaults and the host"). On a host
+# shared with other busy processes a spinning thread that loses its core
+# stalls every region at the barrier: set OMP_WAIT_POLICY=PASSIVE there (the
+# test suite does). libgomp reads it once, when torch loads.
+OMP_WAIT_POLICY = "ACTIVE"
 # /proc/cpuinfo's names: x86 "flags", Arm "Features".
 NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 

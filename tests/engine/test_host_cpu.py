@@ -49,10 +49,10 @@ def test_the_suite_pins_auto_to_float32():
 def test_thread_wait_policy_is_a_default_the_operator_can_override():
     environ = {}
     default_thread_wait_policy(environ)
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    environ = {"OMP_WAIT_POLICY": "ACTIVE"}
-    default_thread_wait_policy(environ)
     assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
+    environ = {"OMP_WAIT_POLICY": "PASSIVE"}
+    default_thread_wait_policy(environ)
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_the_entry_points_set_the_policy_before_torch_loads(tmp_path):
@@ -65,4 +65,4 @@ def test_the_entry_points_set_the_policy_before_torch_loads(tmp_path):
             "assert 'torch' not in sys.modules; gateway.cli.default_thread_wait_policy(); "
             "import torch; print(os.environ['OMP_WAIT_POLICY'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
+    assert out.stdout.strip() == "ACTIVE"
