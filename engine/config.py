@@ -20,7 +20,7 @@ from engine.errors import ValidationError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight-only quantization of the linears and LM head (engine/model/quant_linear.py).
-_QUANTIZATIONS = ("none", "int8", "int4")
+_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DEFAULT_CPU_KV_BYTES = 4 * 1024**3
 
 
@@ -103,8 +103,12 @@ class SpeculativeConfig:
     """Draft tokens proposed by n-gram prompt lookup and verified in one
     forward pass; greedy output is the same as without speculation."""
 
-    speculative: str = setting("off", choices=_SPECULATIVE_METHODS,
-                               help="speculative decoding: ngram drafts tokens by prompt lookup")
+    # On by default: at one or two decoding sequences, measured on a 2-core
+    # AVX-512 host (benchmarks/spec_decode.py, docs/benchmarks.md), answers
+    # that copy their prompt ran 2.1x, random prompts 1.6-2.6x, and open
+    # answers that copy little 0.98-1.05x; greedy output is unchanged.
+    speculative: str = setting("ngram", choices=_SPECULATIVE_METHODS,
+                               help="speculative decoding: ngram drafts tokens by prompt lookup; off: none")
     num_speculative_tokens: int = setting(4, help="draft tokens per speculating sequence and step")
     # vLLM's names. Longer n-grams draft less often but are accepted more.
     # Measured (benchmarks/spec_decode.py, docs/benchmarks.md): with a
@@ -114,11 +118,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = setting(4, help="longest n-gram prompt lookup matches")
     prompt_lookup_min: int = setting(3, help="shortest n-gram prompt lookup matches")
     # Drafts cost compute that a big batch has no spare of: on the CPU a
-    # step's time grows with its tokens. Measured on the 2-core CPU: copying
-    # workloads gained 1.4-1.6x up to 4 decoding sequences, and at 8 every
-    # workload lost (0.55-0.85x).
+    # step's time grows with its tokens. Measured on the 2-core AVX-512 host:
+    # at 4 decoding sequences open answers lost 20% (copying ones still
+    # gained 1.5x); at 8, on an AVX2 host, every workload lost (0.55-0.85x).
     speculative_disable_batch_size: int = setting(
-        4, help="no speculation in a step with more running decode sequences than this")
+        2, help="no speculation in a step with more running decode sequences than this")
 
     def __post_init__(self) -> None:
         if self.speculative not in _SPECULATIVE_METHODS:
@@ -148,10 +152,13 @@ class EngineConfig:
     num_threads: int | None = setting(None, help="torch intra-op threads of the engine on the CPU; unset: torch's "
                                                  "default, one per core (docs/engine.md, \"Defaults\")")
     # ---- weight-only quantization (engine/model/quant_linear.py) ----
-    quantization: str = setting("none", choices=_QUANTIZATIONS,
+    quantization: str = setting("auto", choices=_QUANTIZATIONS,
                                 help="store the linear and LM-head weights in int8 (per channel) or int4 "
                                      "(GGUF Q4_1, group 32); activations keep --dtype. Faster small-batch "
-                                     "decode on the CPU, at a small cost in accuracy (docs/engine.md)")
+                                     "decode on the CPU, at a small cost in accuracy. auto: where the "
+                                     "linears' weights are exactly Q4_1 values (a Q4_1 GGUF, as the bundled "
+                                     "model) small-batch decode on the CPU reads them as Q4_1 and the rest "
+                                     "stays float; the model's values do not change (docs/engine.md)")
     # The adapter registry; $LORAGW_DATA_DIR is read where the registry opens.
     data_dir: str | None = setting(None, flag=None, help="None: $LORAGW_DATA_DIR or the user data dir")
     scheduler: SchedulerConfig = section(SchedulerConfig, title="scheduler")

@@ -63,6 +63,12 @@ class EngineLoop:
         self._owner: dict[str, bytes] = {}
         # Open sessions, oldest first: the first gets what no session owns.
         self._peers: list[bytes] = []
+        # Aborts change the engine's state outside a step. A gateway takes
+        # snapshots from StepOutputs only (a heartbeat's is used once, when
+        # its session opens), so after aborts every session is sent the new
+        # one, or a session that opened before the abort of another
+        # session's requests would count them as running for good.
+        self._aborted = False
 
     def run(self) -> None:
         codec = Codec()
@@ -121,13 +127,16 @@ class EngineLoop:
             step_usage = usage.pop() if usage else None
             if step_usage is not None:
                 self._counter.count(step_usage.busy_time_us)
-            if outputs or rejected or step_usage is not None:
+            if outputs or rejected or step_usage is not None or self._aborted:
                 self.snapshot = take_snapshot(engine, self._counter)
-                self._publish(outbox, codec, outputs, rejected, step_usage)
+                self._publish(outbox, codec, outputs, rejected, step_usage, tell_all=self._aborted)
+                self._aborted = False
 
-    def _publish(self, outbox, codec: Codec, outputs: list, rejected: list, step_usage) -> None:
+    def _publish(self, outbox, codec: Codec, outputs: list, rejected: list, step_usage, *,
+                 tell_all: bool = False) -> None:
         """One StepOutputs per session concerned: its outputs, rejections
-        and share of the step's usage, with the snapshot."""
+        and share of the step's usage, with the snapshot; with `tell_all`,
+        the snapshot alone to every other session too."""
         if self._peers:  # else no gateway is connected, and nobody is left to tell
             default = self._peers[0]
             usage = split_usage(step_usage, self._owner.get, default) if step_usage is not None else {}
@@ -136,10 +145,14 @@ class EngineLoop:
                 mine.setdefault(self._owner.get(out.request_id, default), ([], []))[0].append(out)
             for refusal in rejected:
                 mine.setdefault(refusal.peer, ([], []))[1].append(refusal.rejection)
-            for peer in dict.fromkeys([*usage, *mine]):
+            concerned = dict.fromkeys([*usage, *mine])
+            for peer in concerned:
                 outs, refused = mine.get(peer, ([], []))
                 message = StepOutputs(outs, usage.get(peer), self.snapshot, refused)
                 outbox.send_multipart([peer, codec.encode(message)])
+            for peer in self._peers if tell_all else []:
+                if peer not in concerned:
+                    outbox.send_multipart([peer, codec.encode(StepOutputs([], None, self.snapshot, []))])
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
@@ -190,6 +203,7 @@ class EngineLoop:
         self._owner[cmd.request_id] = peer
 
     def _abort(self, engine, request_ids: list[str], outputs: list) -> None:
+        self._aborted = self._aborted or bool(request_ids)
         for request_id in request_ids:
             out = engine.abort(request_id)
             if out is not None:

@@ -52,10 +52,18 @@ ROWS_ENV = "LORAGW_CPU_LINEAR_MAX_ROWS"
 # Row counts the calibration tries, on a gate_proj-sized weight (1536 x 576:
 # bigger than a core's L2, as every weight of the model). It starts at one
 # row: on a host whose vectors the kernel's tiles do not fit, torch may win
-# at every count.
-CALIBRATION_ROWS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
+# at every count. 8 covers a decode step's few sequences, or one sequence
+# verifying its speculative drafts (1 + K rows).
+CALIBRATION_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CALIBRATION_SHAPE = (1536, 576)
 CALIBRATION_REPEATS = 5
+# Distinct weights a timed call of a few rows streams (113 MB of float32,
+# 57 MB of bfloat16): more than a host's last-level cache, as a decode step's
+# weights are. Timed on one weight, read from cache, the bandwidth-bound
+# paths looked faster than they run: a Q4_1 kernel that reads 3.5x fewer
+# bytes than bfloat16 lost to it at one row in a cached calibration, and won
+# in decode.
+CALIBRATION_COPIES = 32
 SOURCE = Path(__file__).parents[1] / "csrc" / "cpu_linear.cpp"
 
 
@@ -81,10 +89,10 @@ def row_limit(dtype: torch.dtype, threads: int) -> int:
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return env_row_limit() or 0
-    weight = calibration_weight(dtype)
+    weights = calibration_weights(dtype)
     return calibrated_limit("CPU linear kernel", dtype, threads,
-                            lambda x, out: kernel.skinny_linear(x, weight, None, out),
-                            lambda x: F.linear(x, weight))
+                            lambda x, out, i: kernel.skinny_linear(x, weights[i], None, out),
+                            lambda x, i: F.linear(x, weights[i]))
 
 
 def env_row_limit() -> int | None:
@@ -100,10 +108,19 @@ def env_row_limit() -> int | None:
     return limit
 
 
-def calibration_weight(dtype: torch.dtype) -> torch.Tensor:
+def calibration_weights(dtype: torch.dtype) -> list[torch.Tensor]:
+    """CALIBRATION_COPIES random weights of CALIBRATION_SHAPE."""
     n, k = CALIBRATION_SHAPE
     gen = torch.Generator().manual_seed(0)
-    return (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    return [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(CALIBRATION_COPIES)]
+
+
+def copies_for(rows: int) -> int:
+    """How many of the copies a timed call of `rows` rows goes through: all
+    of them up to 8 rows, where a call is bound by reading its weight; one
+    above, where the arithmetic per weight byte decides (and streaming every
+    copy would make the calibration seconds long)."""
+    return CALIBRATION_COPIES if rows <= 8 else 1
 
 
 def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, run_torch) -> int:
@@ -123,19 +140,23 @@ def measure(run_kernel, run_torch, dtype: torch.dtype) -> dict[int, tuple[float,
     """rows -> (kernel, torch) seconds, each the best of CALIBRATION_REPEATS
     interleaved runs (the best is the least disturbed by other processes),
     up to the first row count where torch wins: past it the kernel takes
-    nothing, and on a host where it is slow its large calls are slow too."""
+    nothing, and on a host where it is slow its large calls are slow too.
+    `run_kernel(x, out, i)` and `run_torch(x, i)` multiply by copy i; a run
+    goes through `copies_for(rows)` of them."""
     gen = torch.Generator().manual_seed(1)
     n, k = CALIBRATION_SHAPE
     timings = {}
     for rows in CALIBRATION_ROWS:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
+        copies = range(copies_for(rows))
         best = [float("inf"), float("inf")]
         for _ in range(CALIBRATION_REPEATS):
-            for i, run in enumerate((lambda: run_kernel(x, out), lambda: run_torch(x))):
+            for path, run in enumerate((lambda i: run_kernel(x, out, i), lambda i: run_torch(x, i))):
                 t0 = time.perf_counter()
-                run()
-                best[i] = min(best[i], time.perf_counter() - t0)
+                for i in copies:
+                    run(i)
+                best[path] = min(best[path], time.perf_counter() - t0)
         timings[rows] = (best[0], best[1])
         if best[0] >= best[1]:
             break

@@ -98,12 +98,13 @@ class PackedLinear(nn.Module):
         self.in_features = in_features
         # Quantized (`quantize`), the weight loads in float32, whatever the
         # activations' dtype, so it quantizes from the checkpoint's values.
+        self.dtype = dtype
         self.weight = _empty((total, in_features), torch.float32 if quantized else dtype, device)
         self.bias = _empty((total,), dtype, device) if bias else None
         self.param_names = ("weight", "bias") if bias else ("weight",)
         # Decode steps (a few rows) go to the C++ skinny kernels on the CPU.
         on_cpu = device.type == "cpu"
-        self.cpu_linear = cpu_linear.load_kernel() if on_cpu and not quantized else None
+        self.cpu_linear = cpu_linear.load_kernel() if on_cpu else None
         self.quant_kernel = quant_linear.load_kernel() if on_cpu and quantized else None
         self.qweight: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         # Set by the engine builder when LoRA is on: adds the step's
@@ -112,7 +113,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
         if self.qweight is not None:
-            out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias)
+            out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias, self.weight, self.cpu_linear)
         else:
             out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias)
         if self.lora_hook is not None:
@@ -124,6 +125,13 @@ class PackedLinear(nn.Module):
         one is dropped (`weight` None)."""
         self.qweight = quant_linear.quantize(self.weight.data, method)
         self.weight = None
+
+    def keep(self, qweight: quant_linear.QuantizedWeight | None) -> None:
+        """Quantization "auto": the float weight, now in the activations'
+        dtype, with `qweight` (exactly its values, or None) beside it for
+        the calls small enough for the quantized kernel."""
+        self.qweight = qweight
+        self.weight = nn.Parameter(self.weight.data.to(self.dtype), requires_grad=False)
 
     def load_slice(self, name: str, param: str, tensor: torch.Tensor) -> None:
         target = self.weight if param == "weight" else self.bias
@@ -220,16 +228,21 @@ class LlamaForCausalLM(nn.Module):
     `quantization` "int8" or "int4" stores the linears' weights quantized,
     and the LM head's in int8 (engine/model/quant_linear.py); they load in
     float32 and are quantized at the end of `load_weights`. The embedding table
-    stays in `dtype`: a step gathers only its tokens' rows from it."""
+    stays in `dtype`: a step gathers only its tokens' rows from it. "auto"
+    keeps every weight in `dtype` and, where the linears' weights are all
+    exactly Q4_1 values (a Q4_1 GGUF), their Q4_1 blocks beside them for
+    small calls: the model's values do not change."""
 
     def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none"):
         super().__init__()
+        if quantization == "auto" and (torch.device(device).type != "cpu" or quant_linear.load_kernel() is None):
+            quantization = "none"  # no Q4_1 kernel to read them with (a GPU, LORAGW_CPU_LINEAR_KERNEL=0)
         self.quantization = quantization
         quantized = quantization != "none"
         # Loaded in float32 when quantized, like the linears; the LM head,
-        # tied or not, is quantized from it.
-        head_dtype = torch.float32 if quantized else dtype
+        # tied or not, is quantized from it ("auto" leaves it as it is).
+        head_dtype = torch.float32 if quantization in quant_linear.QUANTIZERS else dtype
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -248,12 +261,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _empty((config.vocab_size, config.hidden_size), head_dtype, self.device)
         self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
+        self.as_stored = False  # set by `keep_as_stored`: "auto" found Q4_1 linears
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
         self._quant_kernel = quant_linear.load_kernel() if quantized and self.device.type == "cpu" else None
         # Measured now, not in the first step.
         if self._cpu_linear is not None:
             cpu_linear.row_limit(dtype, torch.get_num_threads())
-        if self._quant_kernel is not None:
+        if self._quant_kernel is not None and quantization != "auto":  # "auto": once it finds Q4_1
             quant_linear.row_limit(dtype, torch.get_num_threads())
 
     def forward(
@@ -284,6 +298,25 @@ class LlamaForCausalLM(nn.Module):
             found[(i, "gate_up_proj")] = layer.mlp.gate_up_proj
             found[(i, "down_proj")] = layer.mlp.down_proj
         return found
+
+    def keep_as_stored(self) -> None:
+        """Quantization "auto": the linears' Q4_1 form beside their float
+        weights if it holds every weight exactly; stops looking at the first
+        that it does not, so a checkpoint of other values pays one trial."""
+        linears = list(self.packed_linears().values())
+        stored = []
+        with torch.no_grad():
+            for linear in linears:
+                qweight = quant_linear.quantize_exactly(linear.weight.data, quant_linear.AS_STORED)
+                if qweight is None:
+                    stored = []
+                    break
+                stored.append(qweight)
+            for linear, qweight in zip(linears, stored or [None] * len(linears)):
+                linear.keep(qweight)
+        self.as_stored = bool(stored)
+        if self.as_stored:
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=True)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
@@ -348,7 +381,10 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self) -> None:
         """Quantizes every packed linear and the LM head from their float32
         weights (dropped after); a tied embedding table is cast to the
-        model's dtype."""
+        model's dtype. "auto": `keep_as_stored`."""
+        if self.quantization == "auto":
+            self.keep_as_stored()
+            return
         with torch.no_grad():
             for linear in self.packed_linears().values():
                 linear.quantize(self.quantization)

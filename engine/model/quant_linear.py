@@ -21,6 +21,13 @@ against the twin when the model is built, as the float kernel's. Larger calls (l
 weight for the call, then F.linear. No float copy is kept, so memory holds
 the quantized weights only; `benchmarks/quant_linear.py` measures what the
 per-call dequantization costs a long chunk.
+
+Quantization "auto" (the default) is the other way round: it keeps the
+float weights and adds the Q4_1 form only where that holds every weight
+exactly (`quantize_exactly`: a checkpoint dequantized from a Q4_1 GGUF), so
+small calls stream 4-bit blocks, larger ones take the float GEMM, and the
+model's values never change. Its row limit is measured against that float
+path, not the twin.
 """
 
 from __future__ import annotations
@@ -116,40 +123,67 @@ def quantize_q4_1(weight: torch.Tensor) -> Q41Weight:
     return Q41Weight(packed.reshape(n, k // 2).contiguous(), torch.cat((d, m), dim=-1).contiguous())
 
 
-# EngineConfig.quantization's values other than "none" -> their quantizer.
+# EngineConfig.quantization's explicit methods -> their quantizer.
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_q4_1}
 # The LM head is int8 under both: in 4 bits its logits move too far. The
 # bundled GGUF keeps it (the tied embedding table) in 8 bits as well (Q8_0);
 # Q4_1 of it measured 9% relative weight error, int8 per channel 1.2%.
 HEAD_QUANTIZATION = {"int8": "int8", "int4": "int8"}
+# Quantization "auto" reads a checkpoint's linears as Q4_1 where they are
+# exactly Q4_1 values: the bundled GGUF's format, and the one whose kernel
+# streams the fewest bytes.
+AS_STORED = "int4"
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     return QUANTIZERS[method](weight)
 
 
-def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_exactly(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
+    """`weight` in `method`'s format if that stores every value exactly (a
+    checkpoint dequantized from it, such as a Q4_1 GGUF), else None."""
+    quantized = quantize(weight, method)
+    return quantized if torch.equal(quantized.dequantize(torch.float32), weight.float()) else None
+
+
+def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+           float_weight: torch.Tensor | None = None, float_kernel=None) -> torch.Tensor:
     """x [T, K] @ dequant(weight)^T (+ bias) -> [T, N] in x's dtype: by the
-    kernel for up to `row_limit` rows when it takes the tensors, else the
-    torch twin (`kernel` None: always the twin)."""
-    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads()):
+    kernel for up to `row_limit` rows when it takes the tensors. Larger calls
+    (`kernel` None: every call) go to `float_weight`, the same values kept
+    in x's dtype (quantization "auto"), through cpu_linear with
+    `float_kernel`, or without it to the torch twin."""
+    beside_float = float_weight is not None
+    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads(),
+                                                                            beside_float):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
             return out
+    if beside_float:
+        return cpu_linear.linear(float_kernel, x, float_weight, bias)
     return twin(x, weight, bias)
 
 
 @functools.cache
-def row_limit(dtype: torch.dtype, threads: int) -> int:
+def row_limit(dtype: torch.dtype, threads: int, beside_float: bool = False) -> int:
     """The most token rows the quantized kernel takes on this host, measured
-    (int8, as cpu_linear.row_limit) against the twin it replaces."""
+    as cpu_linear.row_limit: int8 against the twin it replaces, or, with
+    `beside_float` (quantization "auto"), Q4_1 against the float path the
+    larger calls take."""
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return cpu_linear.env_row_limit() or 0
-    weight = quantize_int8(cpu_linear.calibration_weight(torch.float32))
-    return cpu_linear.calibrated_limit("CPU quantized linear kernel", dtype, threads,
-                                       lambda x, out: weight.run_kernel(kernel, x, None, out),
-                                       lambda x: twin(x, weight))
+    weights = cpu_linear.calibration_weights(torch.float32)
+    if not beside_float:
+        quantized = [quantize_int8(w) for w in weights]
+        return cpu_linear.calibrated_limit("CPU quantized linear kernel", dtype, threads,
+                                           lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
+                                           lambda x, i: twin(x, quantized[i]))
+    quantized = [quantize_q4_1(w) for w in weights]
+    float_weights, float_kernel = [w.to(dtype) for w in weights], cpu_linear.load_kernel()
+    return cpu_linear.calibrated_limit("CPU Q4_1 kernel beside float weights", dtype, threads,
+                                       lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
+                                       lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i]))
 
 
 def twin(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

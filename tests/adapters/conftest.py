@@ -24,6 +24,28 @@ def build_peft_adapter(base_dir: Path, out_dir: Path, seed: int = 0, **lora_kwar
     return model
 
 
+def peft_greedy(model_dir, adapter_dirs: dict, requests, new_tokens: int) -> list[list[int]]:
+    """The reference: HF transformers + peft, each (prompt, adapter name or
+    None) request generated greedily on its own, exactly `new_tokens` tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    models = {None: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()}
+    for name, path in adapter_dirs.items():
+        fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[name] = PeftModel.from_pretrained(fresh, path).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt, adapter in requests:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            gen = models[adapter].generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                           pad_token_id=tok.eos_token_id)
+            outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
 @pytest.fixture(scope="session")
 def tiny_config(tiny_llama_dir):
     from transformers import AutoConfig

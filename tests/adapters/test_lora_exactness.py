@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.adapters.conftest import ALL_MODULES, build_peft_adapter
+from tests.adapters.conftest import ALL_MODULES, build_peft_adapter, peft_greedy
 
 NEW_TOKENS = 12
 ADAPTERS = {
@@ -43,28 +43,7 @@ def setup(request, tmp_path_factory):
                         p.mul_(0.25)
             model.save_pretrained(dirs[name])
     requests = [(p, a) for p in PROMPTS for a in [*ADAPTERS, None]]
-    return model_dir, root, dirs, requests, _peft_reference(model_dir, dirs, requests)
-
-
-def _peft_reference(model_dir, dirs, requests) -> list[list[int]]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    models = {None: base}
-    for name, path in dirs.items():
-        fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        models[name] = PeftModel.from_pretrained(fresh, path).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt, adapter in requests:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            gen = models[adapter].generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                           pad_token_id=tok.eos_token_id)
-            outs.append(gen[0, ids.shape[1]:].tolist())
-    return outs
+    return model_dir, root, dirs, requests, peft_greedy(model_dir, dirs, requests, NEW_TOKENS)
 
 
 # "cpu" is the C++ kernel (the CPU default), "torch" its twin.

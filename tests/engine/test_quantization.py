@@ -15,8 +15,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import ValidationError
-from engine.model import quant_linear
-from tests.adapters.conftest import ALL_MODULES, build_peft_adapter
+from engine.model import cpu_linear, quant_linear
+from tests.adapters.conftest import ALL_MODULES, build_peft_adapter, peft_greedy
 from tests.engine.model.test_quant_linear import naive_weight
 
 NEW_TOKENS = 12
@@ -46,25 +46,6 @@ def dequantized_checkpoint(model_dir, out_dir, method: str):
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
 
 
-def peft_greedy(model_dir, adapter_dir, requests) -> list[list[int]]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    models = {None: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
-              "a": PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                             adapter_dir).eval()}
-    outs = []
-    with torch.inference_mode():
-        for prompt, adapter in requests:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            gen = models[adapter].generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                           pad_token_id=tok.eos_token_id)
-            outs.append(gen[0, ids.shape[1]:].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("kernel", ["on", "off"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_engine_with_lora_matches_peft_on_dequantized_weights(
@@ -76,7 +57,7 @@ def test_quantized_engine_with_lora_matches_peft_on_dequantized_weights(
     reference_dir = tmp_path / "dequantized"
     dequantized_checkpoint(tiny_llama_dir, reference_dir, method)
     requests = [(p, a) for p in PROMPTS for a in ("a", None)]
-    expected = peft_greedy(reference_dir, adapter_dir, requests)
+    expected = peft_greedy(reference_dir, {"a": adapter_dir}, requests, NEW_TOKENS)
 
     llm = LLM(str(tiny_llama_dir), quantization=method, data_dir=str(tmp_path / "registry"), max_loras=2,
               max_lora_rank=8)
@@ -92,10 +73,57 @@ def test_quantization_is_a_validated_setting():
     assert EngineConfig.from_flat(quantization="int4").quantization == "int4"
     with pytest.raises(ValidationError, match="quantization"):
         EngineConfig(quantization="int3")
-    # Every value but "none" has a quantizer, and nothing else does.
+    # Every value but "auto" and "none" has a quantizer, and nothing else does.
     from engine.config import _QUANTIZATIONS
 
-    assert set(_QUANTIZATIONS) == {"none", *quant_linear.QUANTIZERS}
+    assert set(_QUANTIZATIONS) == {"auto", "none", *quant_linear.QUANTIZERS}
+    assert EngineConfig().quantization == "auto"
+
+
+@pytest.fixture
+def kernel_rows(monkeypatch):
+    """Sets the quantized kernel's row limit for one test (it is cached)."""
+    def set_rows(value: str):
+        monkeypatch.setenv(cpu_linear.ROWS_ENV, value)
+        quant_linear.row_limit.cache_clear()
+        cpu_linear.row_limit.cache_clear()
+
+    yield set_rows
+    quant_linear.row_limit.cache_clear()
+    cpu_linear.row_limit.cache_clear()
+
+
+# "4": prompts take the float weights and decode the Q4_1 kernel; "1024": the kernel takes every call.
+@pytest.mark.parametrize("rows", ["4", "1024"])
+def test_auto_reads_a_q4_1_checkpoint_as_stored_and_changes_nothing(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                     kernel_rows, rows):
+    kernel_rows(rows)
+    adapter_dir = tmp_path / "adapter"
+    build_peft_adapter(tiny_llama_dir, adapter_dir, r=8, lora_alpha=16, target_modules=ALL_MODULES)
+    q4_dir = tmp_path / "q4"  # every projection holds exactly Q4_1 values, as a Q4_1 GGUF's do
+    dequantized_checkpoint(tiny_llama_dir, q4_dir, "int4")
+    requests = [(p, a) for p in PROMPTS for a in ("a", None)]
+    expected = peft_greedy(q4_dir, {"a": adapter_dir}, requests, NEW_TOKENS)
+
+    kernel_calls = []
+    run_kernel = quant_linear.Q41Weight.run_kernel
+    monkeypatch.setattr(quant_linear.Q41Weight, "run_kernel",
+                        lambda self, k, x, bias, out: kernel_calls.append(x.shape[0]) or run_kernel(self, k, x, bias, out))
+    llm = LLM(str(q4_dir), data_dir=str(tmp_path / "registry"), max_loras=2, max_lora_rank=8)  # the default: auto
+    llm.adapters.import_dir("a", adapter_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate([p for p, _ in requests], params, adapters=[a for _, a in requests])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    model = llm.engine.core.runner.model
+    assert model.as_stored and model.lm_head_q is None
+    assert all(lin.qweight is not None and lin.weight.dtype == model.dtype for lin in model.packed_linears().values())
+    assert kernel_calls and max(kernel_calls) <= int(rows)
+
+
+def test_auto_leaves_a_checkpoint_of_other_values_float(tiny_llama_dir, tmp_path):
+    model = LLM(str(tiny_llama_dir), data_dir=str(tmp_path / "registry")).engine.core.runner.model
+    assert not model.as_stored
+    assert all(lin.qweight is None and lin.weight.dtype == model.dtype for lin in model.packed_linears().values())
 
 
 # Greedy agreement with float32 on the real SmolLM2: the share of generated
@@ -115,10 +143,22 @@ SMOLLM_PROMPTS = ["Hello", "Why is the sky blue?", "Write a short poem about aut
 def test_greedy_agreement_with_float32_on_smollm2():
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
     runs = {}
-    for method in ("none", "int8", "int4"):
-        outs = LLM(quantization=method, num_kv_blocks=64).generate(SMOLLM_PROMPTS, params)
-        runs[method] = [o.outputs[0].token_ids for o in outs]
+    for method in ("none", "auto", "int8", "int4"):
+        llm = LLM(quantization=method, num_kv_blocks=64)
+        assert llm.engine.core.runner.model.as_stored == (method == "auto")
+        runs[method] = [o.outputs[0].token_ids for o in llm.generate(SMOLLM_PROMPTS, params)]
+    # auto reads the bundled GGUF's Q4_1 blocks as they are: nothing changes.
+    assert runs["auto"] == runs["none"]
     total = sum(len(t) for t in runs["none"])
     for method, threshold in AGREEMENT.items():
         same = sum(a == b for x, y in zip(runs["none"], runs[method]) for a, b in zip(x, y))
         assert same / total >= threshold, f"{method}: {same}/{total} tokens agree with float32"
+
+
+def test_auto_without_the_kernel_stays_float(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")  # as on a GPU: no Q4_1 kernel to read the blocks with
+    q4_dir = tmp_path / "q4"
+    dequantized_checkpoint(tiny_llama_dir, q4_dir, "int4")
+    model = LLM(str(q4_dir), data_dir=str(tmp_path / "registry")).engine.core.runner.model
+    assert model.quantization == "none" and not model.as_stored
+    assert all(lin.qweight is None and lin.weight.dtype == model.dtype for lin in model.packed_linears().values())

@@ -119,16 +119,18 @@ def test_the_row_limit_is_the_last_point_before_torch_wins():
 
 
 def test_calibration_times_both_paths_until_torch_wins(kernel):
-    weight = cpu_linear.calibration_weight(torch.float32)
+    weights = cpu_linear.calibration_weights(torch.float32)
+    assert len(weights) == cpu_linear.CALIBRATION_COPIES
+    assert len({w.data_ptr() for w in weights}) == len(weights) and not torch.equal(weights[0], weights[1])
     calls = []
 
-    def run_kernel(x, out):
-        calls.append(("kernel", x.shape[0]))
-        return kernel.skinny_linear(x, weight, None, out)
+    def run_kernel(x, out, i):
+        calls.append(("kernel", x.shape[0], i))
+        return kernel.skinny_linear(x, weights[i], None, out)
 
-    def run_torch(x):
-        calls.append(("torch", x.shape[0]))
-        return F.linear(x, weight)
+    def run_torch(x, i):
+        calls.append(("torch", x.shape[0], i))
+        return F.linear(x, weights[i])
 
     timings = cpu_linear.measure(run_kernel, run_torch, torch.float32)
     measured = sorted(timings)
@@ -137,9 +139,12 @@ def test_calibration_times_both_paths_until_torch_wins(kernel):
     # It stops at the first point torch wins, or runs to the last.
     assert all(k_s < t_s for rows, (k_s, t_s) in timings.items() if rows != measured[-1])
     assert len(measured) == len(cpu_linear.CALIBRATION_ROWS) or timings[measured[-1]][0] >= timings[measured[-1]][1]
-    expected = [(path, rows) for rows in measured
-                for _ in range(cpu_linear.CALIBRATION_REPEATS) for path in ("kernel", "torch")]
-    assert calls == expected  # interleaved, every repeat
+    # Interleaved, every repeat; each run streams the copies, all of them at a few rows.
+    expected = [(path, rows, i) for rows in measured
+                for _ in range(cpu_linear.CALIBRATION_REPEATS) for path in ("kernel", "torch")
+                for i in range(cpu_linear.copies_for(rows))]
+    assert calls == expected
+    assert cpu_linear.copies_for(1) == cpu_linear.CALIBRATION_COPIES and cpu_linear.copies_for(1024) == 1
     assert cpu_linear.crossover(timings) in (0, *cpu_linear.CALIBRATION_ROWS)
 
 

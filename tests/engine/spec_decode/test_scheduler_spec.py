@@ -59,6 +59,16 @@ def prefill(s, *reqs, token=PATTERN[0]):
         s.update(out, runner_output(out, token=token))
 
 
+def first_draft(k=3):
+    """One repetitive request, prefilled, and its first drafting step: the
+    scheduler, the request, the position of its last token, the step."""
+    s = spec_scheduler(k=k)
+    req = repetitive("a")
+    prefill(s, req)
+    start = req.num_tokens - 1
+    return s, req, start, s.schedule()
+
+
 def by_id(out: SchedulerOutput):
     return {r.request_id: r for r in out.requests}
 
@@ -77,11 +87,7 @@ def test_a_decode_slice_carries_the_last_token_and_its_drafts():
 
 
 def test_all_accepted_advances_by_the_run_and_counts_the_bonus_token():
-    s = spec_scheduler(k=3)
-    req = repetitive("a")
-    prefill(s, req)
-    start = req.num_tokens - 1
-    out = s.schedule()
+    s, req, start, out = first_draft()
     result = s.update(out, runner_output(out, {"a": [12, 13, 14, 11]}))
     assert [t.token_id for t in result.updates[0].new_tokens] == [12, 13, 14, 11]
     assert req.output_token_ids == [11, 12, 13, 14, 11]
@@ -92,11 +98,7 @@ def test_all_accepted_advances_by_the_run_and_counts_the_bonus_token():
 
 
 def test_some_and_none_accepted():
-    s = spec_scheduler(k=3)
-    req = repetitive("a")
-    prefill(s, req)
-    start = req.num_tokens - 1
-    out = s.schedule()
+    s, req, start, out = first_draft()
     s.update(out, runner_output(out, {"a": [12, 14]}))  # one accepted, then a correction
     assert req.output_token_ids == [11, 12, 14]
     assert req.num_computed_tokens == start + 2
