@@ -25,7 +25,7 @@ Reported per cell: output tok/s off and on (the median of the repeats), the
 speedup, acceptance rate (accepted / drafted tokens), mean tokens emitted
 per drafting step, and the load average before and after.
 
-    python benchmarks/spec_decode.py [--batch-sizes 1,4,16] [--k 4] [--output-len 96]
+    python benchmarks/spec_decode.py [--batch-sizes 1,4,16] [--k 7] [--output-len 96]
         [--repeats 2] [--threads N] [--out PATH]
 """
 
@@ -145,7 +145,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,4,16", help="comma-separated")
     parser.add_argument("--workloads", default="copy,open,random", help="comma-separated: copy, open, random")
-    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--k", type=int, default=None, help="--num-speculative-tokens (default: the engine's)")
     parser.add_argument("--prompt-lookup-min", type=int, default=None, help="default: the engine's")
     parser.add_argument("--output-len", type=int, default=96, help="max tokens (forced for random)")
     parser.add_argument("--repeats", type=int, default=2, help="off/on pairs per cell")
@@ -164,7 +164,8 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     lookup = {"prompt_lookup_min": args.prompt_lookup_min} if args.prompt_lookup_min else {}
     # Speculation on at every batch size measured; run_once switches it per run.
-    llm = LLM(speculative="ngram", num_speculative_tokens=args.k, speculative_disable_batch_size=max(sizes),
+    drafts = {"num_speculative_tokens": args.k} if args.k else {}
+    llm = LLM(speculative="ngram", **drafts, speculative_disable_batch_size=max(sizes),
               **lookup)
     policy = llm.engine.scheduler.speculation
     result: dict = {"args": vars(args), "machine": machine_facts(), "load_before": load_average(),

@@ -109,7 +109,11 @@ class SpeculativeConfig:
     # answers that copy little 0.98-1.05x; greedy output is unchanged.
     speculative: str = setting("ngram", choices=_SPECULATIVE_METHODS,
                                help="speculative decoding: ngram drafts tokens by prompt lookup; off: none")
-    num_speculative_tokens: int = setting(4, help="draft tokens per speculating sequence and step")
+    # 7: a verifying sequence is 8 rows, the most the Q4_1 decode kernel took
+    # on the AVX-512 host (quantization auto). Against 4 there, copying
+    # answers ran 2.65-2.71x plain decoding (4: 1.96-2.24x), random prompts
+    # 1.67-2.61x (1.56-2.50x) and open answers 0.97-1.03x (0.94-1.06x).
+    num_speculative_tokens: int = setting(7, help="draft tokens per speculating sequence and step")
     # vLLM's names. Longer n-grams draft less often but are accepted more.
     # Measured (benchmarks/spec_decode.py, docs/benchmarks.md): with a
     # 1-token minimum, answers that copy little drafted on most steps and
