@@ -142,6 +142,8 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
 def quantize_exactly(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     """`weight` in `method`'s format if that stores every value exactly (a
     checkpoint dequantized from it, such as a Q4_1 GGUF), else None."""
+    if method == "int4" and weight.shape[-1] % Q4_BLOCK:
+        return None  # not made of Q4_1 blocks
     quantized = quantize(weight, method)
     return quantized if torch.equal(quantized.dequantize(torch.float32), weight.float()) else None
 

@@ -148,3 +148,16 @@ def test_int4_reproduces_the_bundled_q4_1_linears(smollm_dir):
             int8 = quant_linear.quantize_int8(w.float())
             err = (naive_weight(int8) - w).abs().amax(dim=1)
             assert bool((err <= int8.scale.double() * 0.5 + 1e-7).all())
+
+
+def test_quantize_exactly_takes_only_weights_that_are_q4_1_values():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 64, generator=gen)
+    stored = quant_linear.quantize_q4_1(w).dequantize(torch.float32)  # a checkpoint dequantized from Q4_1
+    exact = quant_linear.quantize_exactly(stored, "int4")
+    assert exact is not None and torch.equal(exact.dequantize(torch.float32), stored)
+    assert quant_linear.quantize_exactly(w, "int4") is None  # random floats are not
+    nudged = stored.clone()
+    nudged[5, 7] += 1e-3
+    assert quant_linear.quantize_exactly(nudged, "int4") is None  # one value off is enough
+    assert quant_linear.quantize_exactly(torch.zeros(4, 48), "int4") is None  # K not a multiple of 32
