@@ -29,26 +29,9 @@ constexpr int kVec = 8;
 constexpr int kTileRowsX4 = 2;
 constexpr int kTileRowsX1 = 8;
 #endif
-typedef float fvec __attribute__((vector_size(kVec * 4)));
+typedef Lanes<kVec>::f32 fvec;
 typedef int8_t i8vec __attribute__((vector_size(kVec)));
 typedef uint8_t u8vec __attribute__((vector_size(kVec)));
-typedef uint16_t u16vec __attribute__((vector_size(kVec * 2)));
-typedef uint32_t u32vec __attribute__((vector_size(kVec * 4)));
-
-inline fvec load_x(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline fvec load_x(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  u16vec h;
-  std::memcpy(&h, p, sizeof h);
-  u32vec w = __builtin_convertvector(h, u32vec) << 16;
-  fvec v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
 
 inline float half_to_float(const c10::Half h) {
 #ifdef __F16C__
@@ -147,7 +130,7 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
 #pragma GCC unroll 4
       for (int64_t h = b; h < b + kBlock; h += kVec) {
         fvec xv[JB];
-        for (int jj = 0; jj < JB; ++jj) xv[jj] = load_x(x + jj * x_stride + h);
+        for (int jj = 0; jj < JB; ++jj) xv[jj] = load_lanes<kVec>(x + jj * x_stride + h);
         for (int kk = 0; kk < KT; ++kk) {
           const fvec wv = rows.load(r[kk], h);
           for (int jj = 0; jj < JB; ++jj) acc[jj][kk] += xv[jj] * wv;

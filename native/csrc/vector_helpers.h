@@ -1,6 +1,7 @@
 // Shared by the CPU kernels (engine/csrc/*.cpp, adapters/ops/csrc/*.cpp):
 // 16-lane float32 vectors (GCC vector extensions; the compiler maps them onto
-// AVX-512, or pairs of AVX2 registers), loads that widen bfloat16 and stores
+// AVX-512, or pairs of AVX2 registers; 8-lane ones for kernels sized to an
+// AVX2 register), loads that widen bfloat16 and stores
 // that round to it, a horizontal sum of 16 vectors at once, and the
 // register-tiled dot products of a few rows against many (the LoRA shrink,
 // the skinny linear). native/__init__.py copies it beside every kernel's
@@ -16,26 +17,45 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+// N float32 lanes, and the 16- and 32-bit lanes that load bfloat16 into
+// them: 16 (an AVX-512 register, or two AVX2 ones) or 8 (one AVX2 register,
+// for kernels whose tiles are sized to the host's registers).
+template <int N> struct Lanes;
+template <> struct Lanes<16> {
+  typedef float f32 __attribute__((vector_size(64)));
+  typedef uint16_t u16 __attribute__((vector_size(32)));
+  typedef uint32_t u32 __attribute__((vector_size(64)));
+};
+template <> struct Lanes<8> {
+  typedef float f32 __attribute__((vector_size(32)));
+  typedef uint16_t u16 __attribute__((vector_size(16)));
+  typedef uint32_t u32 __attribute__((vector_size(32)));
+};
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+template <int N>
+inline typename Lanes<N>::f32 load_lanes(const float* p) {
+  typename Lanes<N>::f32 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline f32x16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  u16x16 h;
+template <int N>
+inline typename Lanes<N>::f32 load_lanes(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  typedef typename Lanes<N>::u32 u32;
+  typename Lanes<N>::u16 h;
   std::memcpy(&h, p, sizeof h);
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
+  u32 w = __builtin_convertvector(h, u32) << 16;
+  typename Lanes<N>::f32 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+
+constexpr int kLanes = 16;
+typedef Lanes<16>::f32 f32x16;
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) { return load_lanes<16>(p); }
+inline f32x16 load16(const c10::BFloat16* p) { return load_lanes<16>(p); }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 

@@ -80,19 +80,6 @@ def test_quantization_is_a_validated_setting():
     assert EngineConfig().quantization == "auto"
 
 
-@pytest.fixture
-def kernel_rows(monkeypatch):
-    """Sets the quantized kernel's row limit for one test (it is cached)."""
-    def set_rows(value: str):
-        monkeypatch.setenv(cpu_linear.ROWS_ENV, value)
-        quant_linear.row_limit.cache_clear()
-        cpu_linear.row_limit.cache_clear()
-
-    yield set_rows
-    quant_linear.row_limit.cache_clear()
-    cpu_linear.row_limit.cache_clear()
-
-
 # "4": prompts take the float weights and decode the Q4_1 kernel; "1024": the kernel takes every call.
 @pytest.mark.parametrize("rows", ["4", "1024"])
 def test_auto_reads_a_q4_1_checkpoint_as_stored_and_changes_nothing(tiny_llama_dir, tmp_path, monkeypatch,

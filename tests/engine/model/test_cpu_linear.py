@@ -28,16 +28,11 @@ def _case(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool =
 
 
 @pytest.fixture(autouse=True)
-def row_limit(monkeypatch):
-    """Sets LORAGW_CPU_LINEAR_MAX_ROWS for one test (row_limit is cached per
-    process); 1024 unless the test sets another, so that the kernel's tests
-    reach it on a host whose calibration gives it no rows."""
-    def set_limit(value: str):
-        monkeypatch.setenv(cpu_linear.ROWS_ENV, value)
-        cpu_linear.row_limit.cache_clear()
-    set_limit("1024")
-    yield set_limit
-    cpu_linear.row_limit.cache_clear()
+def row_limit(kernel_rows):
+    """LORAGW_CPU_LINEAR_MAX_ROWS=1024 unless the test sets another, so that
+    the kernel's tests reach it on a host whose calibration gives it no rows."""
+    kernel_rows("1024")
+    return kernel_rows
 
 
 # Rows: single tokens, 4-row tiles and their remainders, up to the fixed

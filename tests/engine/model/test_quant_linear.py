@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import cpu_linear, quant_linear
+from engine.model import quant_linear
 from tests.native import built_or_skip, recording
 
 HIDDEN, INTERMEDIATE, KV = 576, 1536, 192  # SmolLM2-135M
@@ -27,13 +27,10 @@ def kernel():
 
 
 @pytest.fixture(autouse=True)
-def every_row_count_offered_to_the_kernel(monkeypatch):
+def every_row_count_offered_to_the_kernel(kernel_rows):
     """The kernel's calibrated limit depends on the host; these tests reach
     it at every row count they use."""
-    monkeypatch.setenv(cpu_linear.ROWS_ENV, "1024")
-    quant_linear.row_limit.cache_clear()
-    yield
-    quant_linear.row_limit.cache_clear()
+    kernel_rows("1024")
 
 
 def naive_weight(qw) -> torch.Tensor:
