@@ -80,7 +80,7 @@ def closed_loop_rps(samples: list[Sample]) -> float:
 
 
 def run_mode(args, tiers_on: bool) -> dict:
-    flags = ["--max-num-seqs", str(args.max_num_seqs)] + ([] if tiers_on else ["--no-tiers"])
+    flags = ["--max-num-seqs", str(args.max_num_seqs), *args.loragw_arg] + ([] if tiers_on else ["--no-tiers"])
     server = GatewayProcess(flags, model=args.model)
     try:
         server.wait_ready()
@@ -178,6 +178,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--premium-load", type=float, default=0.1, help="premium offered load / capacity")
     p.add_argument("--standard-load", type=float, default=3.0, help="standard offered load / capacity")
+    p.add_argument("--loragw-arg", action="append", default=[], metavar="ARG",
+                   help="one more `loragw serve` argument (repeat it), e.g. --loragw-arg=--standard-prefill-tokens=128")
     p.add_argument("--modes", default="on,off", help="which modes to run: on, off or on,off")
     p.add_argument("--plot", type=Path, default=Path("docs/img/tiers_ttft.png"))
     p.add_argument("--out", type=Path, default=RESULTS / "tiers.json")

@@ -143,6 +143,92 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
   }
 }
 
+#ifdef __AVX512BF16__
+// Q4_1 with bfloat16 activations, where the CPU has AVX512-BF16: a thread
+// dequantizes each weight tile once, to bfloat16, and multiplies it by every
+// token row with bfloat16 dot products (float32 sums of bfloat16 pairs, as
+// oneDNN's bfloat16 GEMM on such a CPU). The loop above widens a weight once
+// per 4 token rows, and once per row for the rows past a multiple of 4, so it
+// lost to oneDNN above 8 rows; this path beats the loop from one row and
+// oneDNN up to 32 (docs/engine.md, "Quantization"). The tile holds the same
+// bfloat16 values as the float weights that the larger calls read (each Q4_1
+// value rounded to nearest even), and every row's sum runs in the same order
+// whatever the row count.
+constexpr int kDotX = 4;  // token rows per register tile: kDotX * kDotW accumulators of 16 lanes
+constexpr int kDotW = 6;
+
+// Rows n0 .. n0 + nr of the Q4_1 weight, as bfloat16 lanes, into tile [nr][k].
+// d * q + m is rounded once to float32 before bfloat16, without a fused
+// multiply-add, as quant_linear.py's dequantize computes it: the same values.
+void dequantize_bf16(const Q41Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t r = 0; r < nr; ++r) {
+    const uint8_t* q = rows.q + (n0 + r) * (k / 2);
+    const c10::Half* dm = rows.dm + (n0 + r) * (k / kBlock) * 2;
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+      const __m512 d = _mm512_set1_ps(half_to_float(dm[2 * b])), m = _mm512_set1_ps(half_to_float(dm[2 * b + 1]));
+      const __m512 first = _mm512_add_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low))), d), m);
+      const __m512 last = _mm512_add_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low))), d),
+          m);
+      tile[r * (k / kBlock) + b] = _mm512_cvtne2ps_pbh(last, first);  // lanes 0-15 from `first`
+    }
+  }
+}
+
+inline __m512bh load_bf16x32(const c10::BFloat16* p) {
+  __m512bh v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// y[j * y_stride + r] = x_j . tile_r for JB token rows and the nr tile rows,
+// KW tile rows at a time (a group past nr repeats the last row and drops it).
+template <int JB, int KW>
+void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* tile, int64_t nr, int64_t k,
+                   c10::BFloat16* y, int64_t y_stride) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r0 = 0; r0 < nr; r0 += KW) {
+    const __m512bh* w[KW];
+    for (int kk = 0; kk < KW; ++kk) w[kk] = tile + std::min<int64_t>(r0 + kk, nr - 1) * blocks;
+    __m512 acc[JB][KW];
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KW; ++kk) acc[jj][kk] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512bh xv[JB];
+      for (int jj = 0; jj < JB; ++jj) xv[jj] = load_bf16x32(x + jj * x_stride + b * kBlock);
+      for (int kk = 0; kk < KW; ++kk) {
+        const __m512bh wv = w[kk][b];
+        for (int jj = 0; jj < JB; ++jj) acc[jj][kk] = _mm512_dpbf16_ps(acc[jj][kk], xv[jj], wv);
+      }
+    }
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KW && r0 + kk < nr; ++kk)
+        y[jj * y_stride + r0 + kk] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[jj][kk]));
+  }
+}
+
+void q4_1_bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Q41Rows& rows, int64_t n, int64_t k,
+                     c10::BFloat16* out, int64_t out_stride) {
+  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+    std::vector<__m512bh> tile(kRowTile * (k / kBlock));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
+      dequantize_bf16(rows, n0, nr, k, tile.data());
+      int64_t j = 0;
+      for (; j + kDotX <= m; j += kDotX)
+        dot_tile_bf16<kDotX, kDotW>(x + j * x_stride, x_stride, tile.data(), nr, k, out + j * out_stride + n0,
+                                    out_stride);
+      for (; j < m; ++j)
+        dot_tile_bf16<1, 16>(x + j * x_stride, x_stride, tile.data(), nr, k, out + j * out_stride + n0, 0);
+    }
+  });
+}
+#endif
+
 template <typename T, typename Rows>
 void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k, const T* bias,
                  T* out, int64_t out_stride) {
@@ -185,6 +271,14 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
                        bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
   } else {
     using bf16 = c10::BFloat16;
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<Rows, Q41Rows>) {
+      q4_1_bf16_tiles(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1), out.data_ptr<bf16>(),
+                      out.stride(0));
+      if (bias.has_value()) out.add_(*bias);  // rounded twice, as the loop above
+      return;
+    }
+#endif
     linear_impl<bf16>(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1),
                       bias.has_value() ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0));
   }

@@ -117,10 +117,12 @@ def calibration_weights(dtype: torch.dtype) -> list[torch.Tensor]:
 
 def copies_for(rows: int) -> int:
     """How many of the copies a timed call of `rows` rows goes through: all
-    of them up to 8 rows, where a call is bound by reading its weight; one
-    above, where the arithmetic per weight byte decides (and streaming every
-    copy would make the calibration seconds long)."""
-    return CALIBRATION_COPIES if rows <= 8 else 1
+    of them up to 32 rows, where reading the weight is still much of a
+    call's cost (a decode step of a few dozen sequences); one above, where
+    the arithmetic per weight byte decides (and streaming every copy would
+    make the calibration seconds long). Timed on one cached copy at 16 rows,
+    oneDNN's bfloat16 GEMM looked faster than it runs in a decode step."""
+    return CALIBRATION_COPIES if rows <= 32 else 1
 
 
 def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, run_torch) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import host_cpu
 from engine.model import quant_linear
 from tests.native import built_or_skip, recording
 
@@ -84,17 +85,54 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
         torch.testing.assert_close(twin.double(), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_bias_and_strided_rows(kernel, fmt):
+def test_bias_and_strided_rows(kernel, fmt, dtype):
     qws, gen = _weights((80, 96), seed=9)
     qw = qws[fmt]
-    x = torch.randn(5, 200, generator=gen)[:, 7:103]  # rows 200 apart
-    bias = torch.randn(80, generator=gen)
+    x = torch.randn(5, 200, generator=gen).to(dtype)[:, 7:103]  # rows 200 apart
+    bias = torch.randn(80, generator=gen).to(dtype)
     rec = recording(kernel, "int8_linear" if fmt == "int8" else "q4_1_linear")
     got = quant_linear.linear(rec, x, qw, bias)
     assert rec.handled == [True]
     expected = x.double() @ naive_weight(qw).T + bias.double()
-    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype):
+    """Bit for bit: a speculating sequence's verification (1 + K rows) must
+    score a token as its plain one-row decode would, or greedy output would
+    change with speculation on."""
+    qws, gen = _weights((100, 96), seed=4)  # 100 rows: a partial weight tile
+    qw = qws[fmt]
+    x = torch.randn(13, 96, generator=gen).to(dtype)
+    together = torch.empty(13, 100, dtype=dtype)
+    assert qw.run_kernel(kernel, x, None, together)
+    for split in ((1,) * 13, (4, 9), (8, 5)):
+        parts = [torch.empty(len(rows), 100, dtype=dtype) for rows in x.split(split)]
+        for rows, out in zip(x.split(split), parts):
+            assert qw.run_kernel(kernel, rows, None, out)
+        assert torch.equal(torch.cat(parts), together), split
+
+
+@pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
+def test_q4_1_in_bfloat16_multiplies_the_float_paths_bfloat16_weights(kernel):
+    """With AVX512-BF16 the Q4_1 kernel dequantizes to bfloat16 (to the very
+    weights quantization "auto" keeps for larger calls) and sums their
+    products in float32: only the order of the float32 sum differs from
+    multiplying those weights in float64."""
+    qws, gen = _weights(SHAPES["gate_up"], seed=5)
+    qw = qws["int4"]
+    weight = qw.dequantize(torch.float32).to(torch.bfloat16)
+    for rows in ROWS:
+        x = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16)
+        out = torch.empty(rows, qw.shape[0], dtype=torch.bfloat16)
+        assert qw.run_kernel(kernel, x, None, out)
+        expected = (x.double() @ weight.double().T).to(torch.bfloat16)
+        # One bfloat16 rounding step at most (the float32 sums differ by ~1e-6).
+        torch.testing.assert_close(out.float(), expected.float(), atol=1e-5, rtol=2**-7)
 
 
 @pytest.mark.parametrize("case", ["float16", "k_not_multiple_of_32"])
