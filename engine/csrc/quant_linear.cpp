@@ -5,6 +5,8 @@
 //   q4_1: q [N, K / 2] uint8, dm [N, K / 32, 2] float16 (d, m per block of
 //         32); byte i of a block holds element i (low nibble) and i + 16
 //         (high nibble), as GGUF's Q4_1; w = d * q + m
+//   q8_0: q [N, K] int8, d [N, K / 32] float16 (one scale per block of 32),
+//         as GGUF's Q8_0; w = d * q
 #include "vector_helpers.h"
 
 #include <c10/util/Half.h>
@@ -114,6 +116,43 @@ struct Q41Rows {
     return widen(nibbles) * half_to_float(p[0]) + half_to_float(p[1]);
   }
   float finish(int64_t, float dot) const { return dot; }
+#ifdef __AVX512BF16__
+  // Block b of row n as 32 bfloat16 lanes. d * q + m is rounded to float32
+  // once per operation, without a fused multiply-add, as quant_linear.py's
+  // dequantize computes it: the float weights' very values, then bfloat16.
+  __m512bh bf16_block(int64_t n, int64_t b) const {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (k / 2) + b * (kBlock / 2)));
+    const c10::Half* p = dm + (n * (k / kBlock) + b) * 2;
+    const __m512 d = _mm512_set1_ps(half_to_float(p[0])), m = _mm512_set1_ps(half_to_float(p[1]));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m512 first = _mm512_add_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low))), d), m);
+    const __m512 last = _mm512_add_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low))), d), m);
+    return _mm512_cvtne2ps_pbh(last, first);  // lanes 0-15 from `first`
+  }
+#endif
+};
+
+struct Q80Rows {
+  const int8_t* q;
+  const c10::Half* d;
+  int64_t k;
+  fvec load(int64_t n, int64_t h) const {
+    return widen(q + n * k + h) * half_to_float(d[n * (k / kBlock) + h / kBlock]);
+  }
+  float finish(int64_t, float dot) const { return dot; }
+#ifdef __AVX512BF16__
+  __m512bh bf16_block(int64_t n, int64_t b) const {
+    const int8_t* p = q + n * k + b * kBlock;
+    const __m512 scale = _mm512_set1_ps(half_to_float(d[n * (k / kBlock) + b]));
+    const __m512 first = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), scale);
+    const __m512 last = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), scale);
+    return _mm512_cvtne2ps_pbh(last, first);
+  }
+#endif
 };
 
 // y[j * y_stride + r] = x_j . w_(r0 + r) for JB rows of x (x_stride apart)
@@ -144,38 +183,25 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
 }
 
 #ifdef __AVX512BF16__
-// Q4_1 with bfloat16 activations, where the CPU has AVX512-BF16: a thread
-// dequantizes each weight tile once, to bfloat16, and multiplies it by every
+// The blocked formats (Q4_1, Q8_0) with bfloat16 activations, where the CPU
+// has AVX512-BF16: a thread dequantizes each weight tile once, to bfloat16, and multiplies it by every
 // token row with bfloat16 dot products (float32 sums of bfloat16 pairs, as
 // oneDNN's bfloat16 GEMM on such a CPU). The loop above widens a weight once
 // per 4 token rows, and once per row for the rows past a multiple of 4, so it
 // lost to oneDNN above 8 rows; this path beats the loop from one row and
 // oneDNN up to 32 (docs/engine.md, "Quantization"). The tile holds the same
-// bfloat16 values as the float weights that the larger calls read (each Q4_1
-// value rounded to nearest even), and every row's sum runs in the same order
-// whatever the row count.
+// bfloat16 values as the float weights that the larger calls read (each
+// stored value rounded to nearest even), and every row's sum runs in the same
+// order whatever the row count.
 constexpr int kDotX = 4;  // token rows per register tile: kDotX * kDotW accumulators of 16 lanes
 constexpr int kDotW = 6;
 
-// Rows n0 .. n0 + nr of the Q4_1 weight, as bfloat16 lanes, into tile [nr][k].
-// d * q + m is rounded once to float32 before bfloat16, without a fused
-// multiply-add, as quant_linear.py's dequantize computes it: the same values.
-void dequantize_bf16(const Q41Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t r = 0; r < nr; ++r) {
-    const uint8_t* q = rows.q + (n0 + r) * (k / 2);
-    const c10::Half* dm = rows.dm + (n0 + r) * (k / kBlock) * 2;
-    for (int64_t b = 0; b < k / kBlock; ++b) {
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
-      const __m512 d = _mm512_set1_ps(half_to_float(dm[2 * b])), m = _mm512_set1_ps(half_to_float(dm[2 * b + 1]));
-      const __m512 first = _mm512_add_ps(
-          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low))), d), m);
-      const __m512 last = _mm512_add_ps(
-          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low))), d),
-          m);
-      tile[r * (k / kBlock) + b] = _mm512_cvtne2ps_pbh(last, first);  // lanes 0-15 from `first`
-    }
-  }
+// Rows n0 .. n0 + nr of a blocked weight (Q4_1, Q8_0), as bfloat16 lanes,
+// into tile [nr][k].
+template <typename Rows>
+void dequantize_bf16(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t b = 0; b < k / kBlock; ++b) tile[r * (k / kBlock) + b] = rows.bf16_block(n0 + r, b);
 }
 
 inline __m512bh load_bf16x32(const c10::BFloat16* p) {
@@ -210,8 +236,9 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
   }
 }
 
-void q4_1_bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Q41Rows& rows, int64_t n, int64_t k,
-                     c10::BFloat16* out, int64_t out_stride) {
+template <typename Rows>
+void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
+                c10::BFloat16* out, int64_t out_stride) {
   const int64_t tiles = (n + kRowTile - 1) / kRowTile;
   at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> tile(kRowTile * (k / kBlock));
@@ -272,9 +299,9 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
   } else {
     using bf16 = c10::BFloat16;
 #ifdef __AVX512BF16__
-    if constexpr (std::is_same_v<Rows, Q41Rows>) {
-      q4_1_bf16_tiles(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1), out.data_ptr<bf16>(),
-                      out.stride(0));
+    if constexpr (!std::is_same_v<Rows, Int8Rows>) {  // the blocked formats
+      bf16_tiles(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1), out.data_ptr<bf16>(),
+                 out.stride(0));
       if (bias.has_value()) out.add_(*bias);  // rounded twice, as the loop above
       return;
     }
@@ -315,7 +342,22 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   return true;
 }
 
+// x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K] int8, d [N, K / 32]
+// float16, bias [N] or none, out [M, N] in x's dtype.
+bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
+  if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
+      d.scalar_type() != at::kHalf || !d.is_contiguous())
+    return false;
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == k && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) * kBlock == k,
+              "q8_0_linear: x ", x.sizes(), ", q ", q.sizes(), ", d ", d.sizes());
+  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out);
+  return true;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
   m.def("q4_1_linear", torch::wrap_pybind_function(q4_1_linear), "q4_1_linear");
+  m.def("q8_0_linear", torch::wrap_pybind_function(q8_0_linear), "q8_0_linear");
 }

@@ -231,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
     stays in `dtype`: a step gathers only its tokens' rows from it. "auto"
     keeps every weight in `dtype` and, where the linears' weights are all
     exactly Q4_1 values (a Q4_1 GGUF), their Q4_1 blocks beside them for
-    small calls: the model's values do not change."""
+    small calls, and the LM head's Q8_0 blocks where it is exactly Q8_0
+    values: the model's values do not change."""
 
     def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none"):
@@ -241,8 +242,9 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization
         quantized = quantization != "none"
         # Loaded in float32 when quantized, like the linears; the LM head,
-        # tied or not, is quantized from it ("auto" leaves it as it is).
-        head_dtype = torch.float32 if quantization in quant_linear.QUANTIZERS else dtype
+        # tied or not, is quantized from it ("auto" checks it for Q8_0
+        # values, then casts it to `dtype`).
+        head_dtype = torch.float32 if quantized else dtype
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -262,6 +264,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _empty((config.vocab_size, config.hidden_size), head_dtype, self.device)
         self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         self.as_stored = False  # set by `keep_as_stored`: "auto" found Q4_1 linears
+        self.lm_head_stored: quant_linear.QuantizedWeight | None = None  # "auto" found a Q8_0 head
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
         self._quant_kernel = quant_linear.load_kernel() if quantized and self.device.type == "cpu" else None
         # Measured now, not in the first step.
@@ -301,8 +304,9 @@ class LlamaForCausalLM(nn.Module):
 
     def keep_as_stored(self) -> None:
         """Quantization "auto": the linears' Q4_1 form beside their float
-        weights if it holds every weight exactly; stops looking at the first
-        that it does not, so a checkpoint of other values pays one trial."""
+        weights if it holds every weight exactly (stops looking at the first
+        that it does not, so a checkpoint of other values pays one trial),
+        and the LM head's Q8_0 form beside it if that holds it exactly."""
         linears = list(self.packed_linears().values())
         stored = []
         with torch.no_grad():
@@ -316,12 +320,21 @@ class LlamaForCausalLM(nn.Module):
                 linear.keep(qweight)
         self.as_stored = bool(stored)
         if self.as_stored:
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=True)
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.AS_STORED)
+        with torch.no_grad():
+            self.lm_head_stored = quant_linear.quantize_exactly(self.lm_head.data, quant_linear.HEAD_AS_STORED)
+            self.lm_head.data = self.lm_head.data.to(self.dtype)
+            self.embed_tokens.data = self.embed_tokens.data.to(self.dtype)  # the same tensor when tied
+        if self.lm_head_stored is not None:
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.HEAD_AS_STORED)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
             if self.lm_head_q is not None:
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q).float()
+            if self.lm_head_stored is not None:
+                return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_stored, None, self.lm_head,
+                                           self._cpu_linear).float()
             return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head).float()
 
     # ---- weights -------------------------------------------------------

@@ -97,7 +97,29 @@ class Q41Weight:
         return kernel.q4_1_linear(x, self.q, self.dm, bias, out)
 
 
-QuantizedWeight = Int8Weight | Q41Weight
+@dataclass
+class Q80Weight:
+    q: torch.Tensor  # [N, K] int8
+    d: torch.Tensor  # [N, K / 32] float16: one scale per block
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.shape
+        blocks = self.q.view(n, k // Q4_BLOCK, Q4_BLOCK).float()
+        return (blocks * self.d.float()[..., None]).reshape(n, k).to(dtype)
+
+    def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
+        return kernel.q8_0_linear(x, self.q, self.d, bias, out)
+
+
+QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
@@ -127,27 +149,46 @@ def quantize_q4_1(weight: torch.Tensor) -> Q41Weight:
     return Q41Weight(packed.reshape(n, k // 2).contiguous(), torch.cat((d, m), dim=-1).contiguous())
 
 
+def quantize_q8_0(weight: torch.Tensor) -> Q80Weight:
+    """GGUF Q8_0 of a float [N, K] weight (K a multiple of 32): per block,
+    d = max|w| / 127 (float16), q = round(w / d)."""
+    n, k = weight.shape
+    if k % Q4_BLOCK:
+        raise ValueError(f"q8_0 needs in_features divisible by {Q4_BLOCK}, got {k}")
+    w = weight.float().reshape(n, k // Q4_BLOCK, Q4_BLOCK)
+    d = (w.abs().amax(dim=-1) / 127).half()
+    d32 = d.float()
+    safe_d = torch.where(d32 == 0, torch.ones_like(d32), d32)
+    q = torch.round(w / safe_d[..., None]).clamp_(-127, 127).to(torch.int8)
+    return Q80Weight(q.reshape(n, k).contiguous(), d.contiguous())
+
+
 # EngineConfig.quantization's explicit methods -> their quantizer.
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_q4_1}
+# Every format by name: those, and the one "auto" reads a head in.
+FORMATS = {**QUANTIZERS, "q8_0": quantize_q8_0}
 # The LM head is int8 under both: in 4 bits its logits move too far. The
 # bundled GGUF keeps it (the tied embedding table) in 8 bits as well (Q8_0);
 # Q4_1 of it measured 9% relative weight error, int8 per channel 1.2%.
 HEAD_QUANTIZATION = {"int8": "int8", "int4": "int8"}
 # Quantization "auto" reads a checkpoint's linears as Q4_1 where they are
 # exactly Q4_1 values: the bundled GGUF's format, and the one whose kernel
-# streams the fewest bytes.
+# streams the fewest bytes. Its LM head (the tied embedding table) is Q8_0
+# there, as in most GGUFs: 1.06 bytes a weight against bfloat16's 2.
 AS_STORED = "int4"
+HEAD_AS_STORED = "q8_0"
+BLOCKED = ("int4", "q8_0")  # formats made of blocks of 32 along K
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    return QUANTIZERS[method](weight)
+    return FORMATS[method](weight)
 
 
 def quantize_exactly(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     """`weight` in `method`'s format if that stores every value exactly (a
     checkpoint dequantized from it, such as a Q4_1 GGUF), else None."""
-    if method == "int4" and weight.shape[-1] % Q4_BLOCK:
-        return None  # not made of Q4_1 blocks
+    if method in BLOCKED and weight.shape[-1] % Q4_BLOCK:
+        return None  # not made of blocks
     quantized = quantize(weight, method)
     return quantized if torch.equal(quantized.dequantize(torch.float32), weight.float()) else None
 
@@ -159,35 +200,39 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     (`kernel` None: every call) go to `float_weight`, the same values kept
     in x's dtype (quantization "auto"), through cpu_linear with
     `float_kernel`, or without it to the torch twin."""
-    beside_float = float_weight is not None
+    beside_float = weight_format(weight) if float_weight is not None else None
     if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads(),
                                                                             beside_float):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
             return out
-    if beside_float:
+    if float_weight is not None:
         return cpu_linear.linear(float_kernel, x, float_weight, bias)
     return twin(x, weight, bias)
 
 
+def weight_format(weight: QuantizedWeight) -> str:
+    return {Int8Weight: "int8", Q41Weight: "int4", Q80Weight: "q8_0"}[type(weight)]
+
+
 @functools.cache
-def row_limit(dtype: torch.dtype, threads: int, beside_float: bool = False) -> int:
+def row_limit(dtype: torch.dtype, threads: int, beside_float: str | None = None) -> int:
     """The most token rows the quantized kernel takes on this host, measured
     as cpu_linear.row_limit: int8 against the twin it replaces, or, with
-    `beside_float` (quantization "auto"), Q4_1 against the float path the
-    larger calls take."""
+    `beside_float` a format (quantization "auto"), that format's kernel
+    against the float path the larger calls take."""
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return cpu_linear.env_row_limit() or 0
     weights = cpu_linear.calibration_weights(torch.float32)
-    if not beside_float:
+    if beside_float is None:
         quantized = [quantize_int8(w) for w in weights]
         return cpu_linear.calibrated_limit("CPU quantized linear kernel", dtype, threads,
                                            lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                            lambda x, i: twin(x, quantized[i]))
-    quantized = [quantize_q4_1(w) for w in weights]
+    quantized = [quantize(w, beside_float) for w in weights]
     float_weights, float_kernel = [w.to(dtype) for w in weights], cpu_linear.load_kernel()
-    return cpu_linear.calibrated_limit("CPU Q4_1 kernel beside float weights", dtype, threads,
+    return cpu_linear.calibrated_limit(f"CPU {beside_float} kernel beside float weights", dtype, threads,
                                        lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                        lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i]))
 

@@ -26,9 +26,10 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def dequantized_checkpoint(model_dir, out_dir, method: str):
+def dequantized_checkpoint(model_dir, out_dir, method: str, head: str | None = None):
     """`model_dir` with every projection replaced by its `method` round trip
-    and an untied LM head holding the int8 round trip of the embeddings."""
+    and an untied LM head holding the `head` round trip of the embeddings
+    (default: the head format `method` quantizes to)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -37,7 +38,7 @@ def dequantized_checkpoint(model_dir, out_dir, method: str):
         for proj in PROJECTIONS:
             name = f"model.layers.{i}.{proj}.weight"
             state[name] = naive_weight(quant_linear.quantize(state[name], method)).float()
-    head = quant_linear.quantize(state["model.embed_tokens.weight"], quant_linear.HEAD_QUANTIZATION[method])
+    head = quant_linear.quantize(state["model.embed_tokens.weight"], head or quant_linear.HEAD_QUANTIZATION[method])
     state["lm_head.weight"] = naive_weight(head).float()
     model.config.tie_word_embeddings = False
     untied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
@@ -87,29 +88,32 @@ def test_auto_reads_a_q4_1_checkpoint_as_stored_and_changes_nothing(tiny_llama_d
     kernel_rows(rows)
     adapter_dir = tmp_path / "adapter"
     build_peft_adapter(tiny_llama_dir, adapter_dir, r=8, lora_alpha=16, target_modules=ALL_MODULES)
-    q4_dir = tmp_path / "q4"  # every projection holds exactly Q4_1 values, as a Q4_1 GGUF's do
-    dequantized_checkpoint(tiny_llama_dir, q4_dir, "int4")
+    q4_dir = tmp_path / "q4"  # Q4_1 projections and a Q8_0 head, as the bundled GGUF's
+    dequantized_checkpoint(tiny_llama_dir, q4_dir, "int4", head="q8_0")
     requests = [(p, a) for p in PROMPTS for a in ("a", None)]
     expected = peft_greedy(q4_dir, {"a": adapter_dir}, requests, NEW_TOKENS)
 
-    kernel_calls = []
-    run_kernel = quant_linear.Q41Weight.run_kernel
-    monkeypatch.setattr(quant_linear.Q41Weight, "run_kernel",
-                        lambda self, k, x, bias, out: kernel_calls.append(x.shape[0]) or run_kernel(self, k, x, bias, out))
+    kernel_calls = {quant_linear.Q41Weight: [], quant_linear.Q80Weight: []}
+    for cls, calls in kernel_calls.items():
+        monkeypatch.setattr(cls, "run_kernel", lambda self, k, x, bias, out, calls=calls, run=cls.run_kernel:
+                            calls.append(x.shape[0]) or run(self, k, x, bias, out))
     llm = LLM(str(q4_dir), data_dir=str(tmp_path / "registry"), max_loras=2, max_lora_rank=8)  # the default: auto
     llm.adapters.import_dir("a", adapter_dir)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = llm.generate([p for p, _ in requests], params, adapters=[a for _, a in requests])
     assert [o.outputs[0].token_ids for o in outs] == expected
     model = llm.engine.core.runner.model
-    assert model.as_stored and model.lm_head_q is None
+    assert model.as_stored and model.lm_head_q is None and model.lm_head_stored is not None
+    assert model.lm_head.dtype == model.dtype
     assert all(lin.qweight is not None and lin.weight.dtype == model.dtype for lin in model.packed_linears().values())
-    assert kernel_calls and max(kernel_calls) <= int(rows)
+    for calls in kernel_calls.values():
+        assert calls and max(calls) <= int(rows)
 
 
 def test_auto_leaves_a_checkpoint_of_other_values_float(tiny_llama_dir, tmp_path):
     model = LLM(str(tiny_llama_dir), data_dir=str(tmp_path / "registry")).engine.core.runner.model
-    assert not model.as_stored
+    assert not model.as_stored and model.lm_head_stored is None
+    assert model.embed_tokens.dtype == model.dtype
     assert all(lin.qweight is None and lin.weight.dtype == model.dtype for lin in model.packed_linears().values())
 
 
@@ -132,9 +136,10 @@ def test_greedy_agreement_with_float32_on_smollm2():
     runs = {}
     for method in ("none", "auto", "int8", "int4"):
         llm = LLM(quantization=method, num_kv_blocks=64)
-        assert llm.engine.core.runner.model.as_stored == (method == "auto")
+        model = llm.engine.core.runner.model
+        assert model.as_stored == (method == "auto") and (model.lm_head_stored is not None) == (method == "auto")
         runs[method] = [o.outputs[0].token_ids for o in llm.generate(SMOLLM_PROMPTS, params)]
-    # auto reads the bundled GGUF's Q4_1 blocks as they are: nothing changes.
+    # auto reads the bundled GGUF's Q4_1 blocks and Q8_0 head as they are: nothing changes.
     assert runs["auto"] == runs["none"]
     total = sum(len(t) for t in runs["none"])
     for method, threshold in AGREEMENT.items():

@@ -17,6 +17,8 @@ HIDDEN, INTERMEDIATE, KV = 576, 1536, 192  # SmolLM2-135M
 SHAPES = {"q/o": (HIDDEN, HIDDEN), "k/v": (KV, HIDDEN), "qkv": (HIDDEN + 2 * KV, HIDDEN),
           "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE), "head_rows": (4099, HIDDEN)}
 ROWS = [1, 3, 7, 16, 33, 64]
+FORMATS = ["int8", "int4", "q8_0"]
+KERNELS = {"int8": "int8_linear", "int4": "q4_1_linear", "q8_0": "q8_0_linear"}
 # Both paths sum in float32 (the kernel in its own order); bfloat16 output
 # rounds to 8 bits of mantissa.
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -39,6 +41,8 @@ def naive_weight(qw) -> torch.Tensor:
     column at a time from the documented layout."""
     if isinstance(qw, quant_linear.Int8Weight):
         return qw.q.double() * qw.scale.double()[:, None]
+    if isinstance(qw, quant_linear.Q80Weight):
+        return qw.q.double() * qw.d.double().repeat_interleave(32, dim=1)
     n, k = qw.shape
     w = torch.empty(n, k, dtype=torch.float64)
     for col in range(k):
@@ -54,7 +58,7 @@ def _weights(shape, seed):
     gen = torch.Generator().manual_seed(seed)
     n, k = shape
     w = torch.randn(n, k, generator=gen) * k**-0.5
-    return {"int8": quant_linear.quantize_int8(w), "int4": quant_linear.quantize_q4_1(w)}, gen
+    return {fmt: quant_linear.quantize(w, fmt) for fmt in FORMATS}, gen
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def cases():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dtype):
     qws, ref_weights = cases[shape]
@@ -86,13 +90,13 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_bias_and_strided_rows(kernel, fmt, dtype):
     qws, gen = _weights((80, 96), seed=9)
     qw = qws[fmt]
     x = torch.randn(5, 200, generator=gen).to(dtype)[:, 7:103]  # rows 200 apart
     bias = torch.randn(80, generator=gen).to(dtype)
-    rec = recording(kernel, "int8_linear" if fmt == "int8" else "q4_1_linear")
+    rec = recording(kernel, KERNELS[fmt])
     got = quant_linear.linear(rec, x, qw, bias)
     assert rec.handled == [True]
     expected = x.double() @ naive_weight(qw).T + bias.double()
@@ -100,7 +104,7 @@ def test_bias_and_strided_rows(kernel, fmt, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype):
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
@@ -118,13 +122,14 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
 
 
 @pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
-def test_q4_1_in_bfloat16_multiplies_the_float_paths_bfloat16_weights(kernel):
-    """With AVX512-BF16 the Q4_1 kernel dequantizes to bfloat16 (to the very
-    weights quantization "auto" keeps for larger calls) and sums their
-    products in float32: only the order of the float32 sum differs from
-    multiplying those weights in float64."""
+@pytest.mark.parametrize("fmt", ["int4", "q8_0"])
+def test_blocked_formats_in_bfloat16_multiply_the_float_paths_bfloat16_weights(kernel, fmt):
+    """With AVX512-BF16 the Q4_1 and Q8_0 kernels dequantize to bfloat16 (to
+    the very weights quantization "auto" keeps for larger calls) and sum
+    their products in float32: only the order of the float32 sum differs
+    from multiplying those weights in float64."""
     qws, gen = _weights(SHAPES["gate_up"], seed=5)
-    qw = qws["int4"]
+    qw = qws[fmt]
     weight = qw.dequantize(torch.float32).to(torch.bfloat16)
     for rows in ROWS:
         x = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16)
@@ -196,3 +201,6 @@ def test_quantize_exactly_takes_only_weights_that_are_q4_1_values():
     nudged[5, 7] += 1e-3
     assert quant_linear.quantize_exactly(nudged, "int4") is None  # one value off is enough
     assert quant_linear.quantize_exactly(torch.zeros(4, 48), "int4") is None  # K not a multiple of 32
+    q8 = quant_linear.quantize_q8_0(w).dequantize(torch.float32)  # a Q8_0 GGUF's embedding table
+    assert quant_linear.quantize_exactly(q8, "q8_0") is not None
+    assert quant_linear.quantize_exactly(stored, "q8_0") is None and quant_linear.quantize_exactly(w, "q8_0") is None
