@@ -77,6 +77,7 @@ class Scheduler:
         self.num_preemptions: dict[Tier, int] = {Tier.PREMIUM: 0, Tier.STANDARD: 0}
         self._finished_ids: list[str] = []
         self._step_id = 0
+        self._premium_arrival_step: int | None = None  # the step of the latest premium arrival
 
     # ---- requests in and out -------------------------------------------------
 
@@ -85,6 +86,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting[self._tier(req)].append(req)
+        if self._tier(req) is Tier.PREMIUM:
+            self._premium_arrival_step = self._step_id
 
     def check_request(self, req: Request) -> int:
         """Raise ValidationError unless `req` could be added; its token limit
@@ -259,9 +262,16 @@ class Scheduler:
     def _held_back(self, plan: _StepPlan, tier: Tier) -> int:
         """Budget standard prefill may not use this step (see SchedulerConfig)."""
         cap = self.config.max_standard_prefill_tokens
-        if cap is None or tier is not Tier.STANDARD or not self.config.enable_tiers:
+        if cap is None or tier is not Tier.STANDARD or not self.config.enable_tiers or not self._premium_recent():
             return 0
         return max(0, plan.budget - cap)
+
+    def _premium_recent(self) -> bool:
+        """Whether a premium request arrived within the cap's window of steps."""
+        window = self.config.standard_prefill_cap_steps
+        if window == 0:
+            return True
+        return self._premium_arrival_step is not None and self._step_id - self._premium_arrival_step <= window
 
     def _tier_order(self) -> tuple[Tier, ...]:
         return (Tier.PREMIUM, Tier.STANDARD) if self.config.enable_tiers else (Tier.STANDARD,)

@@ -140,11 +140,13 @@ def serving_engine_config() -> EngineConfig:
     Offline, every request is standard by default, so a premium reserve
     would only shrink the cache and a standard prefill cap would only slow
     the batch. Serving mixes tiers: 20% of the KV cache stays free for
-    premium, and standard prefill is capped at 256 tokens a step so that a
-    premium arrival waits out a short step (benchmarks/tiers.py; on a CPU
-    step time grows with every token, on a GPU raise the cap)."""
+    premium, and while premium requests come (SchedulerConfig's window)
+    standard prefill is capped at 128 tokens a step, so that a premium
+    arrival waits out a short step (benchmarks/tiers.py: 256 missed the
+    premium target on a 2-core CPU, 64 the throughput one; step time grows
+    with every token there, on a GPU raise the cap)."""
     return EngineConfig(
-        scheduler=SchedulerConfig(max_standard_prefill_tokens=256),
+        scheduler=SchedulerConfig(max_standard_prefill_tokens=128),
         cache=CacheConfig(premium_reserved_fraction=0.2))
 
 

@@ -120,6 +120,7 @@ struct Q41Rows {
   // Block b of row n as 32 bfloat16 lanes. d * q + m is rounded to float32
   // once per operation, without a fused multiply-add, as quant_linear.py's
   // dequantize computes it: the float weights' very values, then bfloat16.
+  // (A 16-entry table per block looked up with vpermw measured no faster.)
   __m512bh bf16_block(int64_t n, int64_t b) const {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (k / 2) + b * (kBlock / 2)));
     const c10::Half* p = dm + (n * (k / kBlock) + b) * 2;
@@ -193,8 +194,8 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
 // bfloat16 values as the float weights that the larger calls read (each
 // stored value rounded to nearest even), and every row's sum runs in the same
 // order whatever the row count.
-constexpr int kDotX = 4;  // token rows per register tile: kDotX * kDotW accumulators of 16 lanes
-constexpr int kDotW = 6;
+constexpr int kDotX = 4;  // token rows per register tile: kDotX * kDotW = 16 accumulators, one sum_each
+constexpr int kDotW = 4;
 
 // Rows n0 .. n0 + nr of a blocked weight (Q4_1, Q8_0), as bfloat16 lanes,
 // into tile [nr][k].
@@ -212,9 +213,13 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) {
 
 // y[j * y_stride + r] = x_j . tile_r for JB token rows and the nr tile rows,
 // KW tile rows at a time (a group past nr repeats the last row and drops it).
+// The 16 sums of a tile come out of one transpose-add tree (sum_each), a few
+// instructions a sum instead of a horizontal reduction each; each sum's
+// order depends on nothing but its own accumulator.
 template <int JB, int KW>
 void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* tile, int64_t nr, int64_t k,
                    c10::BFloat16* y, int64_t y_stride) {
+  static_assert(JB * KW == kLanes, "one sum_each per tile");
   const int64_t blocks = k / kBlock;
   for (int64_t r0 = 0; r0 < nr; r0 += KW) {
     const __m512bh* w[KW];
@@ -230,9 +235,13 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
         for (int jj = 0; jj < JB; ++jj) acc[jj][kk] = _mm512_dpbf16_ps(acc[jj][kk], xv[jj], wv);
       }
     }
+    f32x16 lanes[kLanes];
+    std::memcpy(lanes, acc, sizeof lanes);
+    float sums[kLanes];
+    store16(sums, sum_each(lanes));
     for (int jj = 0; jj < JB; ++jj)
       for (int kk = 0; kk < KW && r0 + kk < nr; ++kk)
-        y[jj * y_stride + r0 + kk] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[jj][kk]));
+        y[jj * y_stride + r0 + kk] = static_cast<c10::BFloat16>(sums[jj * KW + kk]);
   }
 }
 

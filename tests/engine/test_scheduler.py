@@ -67,6 +67,7 @@ def test_a_step_that_prefills_premium_carries_no_standard_prefill():
 def test_standard_prefill_per_step_is_capped_with_tiers_on():
     s = make_scheduler(budget=64, block_size=4)
     s.config.max_standard_prefill_tokens = 10
+    s.config.standard_prefill_cap_steps = 0  # capped whether premium comes or not
     s.add_request(make_request("a", 8))
     s.add_request(make_request("b", 8))
     out, _ = step(s)
@@ -78,9 +79,24 @@ def test_standard_prefill_per_step_is_capped_with_tiers_on():
     assert slices(out)["p"] == 30  # premium is not capped
     fcfs = make_scheduler(budget=64, block_size=4, tiers=False)
     fcfs.config.max_standard_prefill_tokens = 10
+    fcfs.config.standard_prefill_cap_steps = 0
     fcfs.add_request(make_request("a", 30))
     out, _ = step(fcfs)
     assert slices(out) == {"a": 30}  # with tiers off there is no cap
+
+
+def test_the_standard_prefill_cap_holds_only_for_its_window_after_a_premium_arrival():
+    s = make_scheduler(budget=64, block_size=4)
+    s.config.max_standard_prefill_tokens = 10
+    s.config.standard_prefill_cap_steps = 3
+    s.add_request(make_request("a", 30))
+    out, _ = step(s)
+    assert slices(out) == {"a": 30}  # no premium request yet: no cap
+    s.add_request(make_request("p", 2, tier=Tier.PREMIUM, max_tokens=1))
+    s.add_request(make_request("b", 60))
+    prefilled = [slices(step(s)[0])["b"] for _ in range(4)]
+    # The 3 steps after the arrival are inside the window; the 4th is past it.
+    assert prefilled == [10, 10, 10, 30]
 
 
 def test_premium_takes_a_seat_from_the_newest_standard_when_max_num_seqs_is_full():

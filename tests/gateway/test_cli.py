@@ -46,7 +46,7 @@ def test_serve_with_no_flags_behaves_as_before(monkeypatch):
     config = _serve_config(_serve_args([]))
     engine = config.engine
     assert engine.cache.premium_reserved_fraction == 0.2
-    assert engine.scheduler.max_standard_prefill_tokens == 256
+    assert engine.scheduler.max_standard_prefill_tokens == 128 and engine.scheduler.standard_prefill_cap_steps == 4096
     assert engine.num_threads is None  # the worker process gets every core
     assert engine.scheduler.enable_tiers and config.enable_tiers and engine.scheduler.premium_prefill_alone
     assert (engine.model, engine.dtype, engine.scheduler.max_model_len) == (None, "auto", None)

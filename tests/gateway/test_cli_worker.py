@@ -20,7 +20,7 @@ def test_no_flags_give_the_serving_engine_on_loopback():
     assert config.secret is None and config.log_level == "info"
     engine = config.engine
     # The tier policy `loragw serve` runs with, not the offline engine's ...
-    assert engine.cache.premium_reserved_fraction == 0.2 and engine.scheduler.max_standard_prefill_tokens == 256
+    assert engine.cache.premium_reserved_fraction == 0.2 and engine.scheduler.max_standard_prefill_tokens == 128
     # ... but a worker has no event loop beside it: torch's own thread count.
     assert engine.num_threads is None
     assert engine.scheduler == GatewayConfig().engine.scheduler and engine.lora == EngineConfig().lora
