@@ -13,14 +13,18 @@ Formats (both quantized from the float32 checkpoint when the model loads):
         (byte i of a block: element i low, element i + 16 high). The bundled
         SmolLM2 ships as Q4_1, so its linears come back to within float16
         rounding of d and m (`tests/engine/model/test_quant_linear.py`).
+  q8_0  GGUF's Q8_0, read only by quantization "auto" for an LM head
+        stored that way: blocks of 32, each with a float16 scale d,
+        w = d * q, q int8 in [-127, 127].
 
 The C++ kernel (engine/csrc/quant_linear.cpp) is cpu_linear's skinny kernel
 with a dequantizing weight load; it takes up to `row_limit` rows, measured
-against the twin when the model is built, as the float kernel's. Q4_1 with
-bfloat16 activations on a CPU with AVX512-BF16 goes another way: each
-thread dequantizes a tile of weight rows once, to bfloat16, and multiplies
-every token row by it with bfloat16 dot products, which carries it past
-the few rows of a decode step (32 rows on a 2-core Zen 4, against 8). Larger calls (long prefill chunks), other devices
+against the twin when the model is built, as the float kernel's. Q4_1 and
+Q8_0 with bfloat16 activations on a CPU with AVX512-BF16 go another way:
+each thread dequantizes a tile of weight rows once, to bfloat16, and
+multiplies every token row by it with bfloat16 dot products, which carries
+it past the few rows of a decode step (32 rows on a 2-core Intel Xeon,
+against 8). Larger calls (long prefill chunks), other devices
 (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the torch twin: dequantize the
 weight for the call, then F.linear. No float copy is kept, so memory holds
 the quantized weights only; `benchmarks/quant_linear.py` measures what the
