@@ -41,6 +41,7 @@ from engine.step_io import (
     StepResult,
     StepUsage,
 )
+from engine.tier_steps import TierSteps
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Scheduler:
         self.num_preemptions: dict[Tier, int] = {Tier.PREMIUM: 0, Tier.STANDARD: 0}
         self._finished_ids: list[str] = []
         self._step_id = 0
-        self._premium_arrival_step: int | None = None  # the step of the latest premium arrival
+        self.tier_steps = TierSteps(config)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -87,7 +88,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting[self._tier(req)].append(req)
         if self._tier(req) is Tier.PREMIUM:
-            self._premium_arrival_step = self._step_id
+            self.tier_steps.premium_arrived(self._step_id)
 
     def check_request(self, req: Request) -> int:
         """Raise ValidationError unless `req` could be added; its token limit
@@ -150,20 +151,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
-        self._make_room_for_premium(plan)
+        premium_head_fits = self._make_room_for_premium(plan)
         num_admission_preemptions = len(plan.preemptions)
 
         # Decodes first (one token each, at most one new block), then tier by
         # tier the prefill chunks and admissions: premium prefill never waits
         # behind standard prefill, which keeps premium TTFT near an idle
         # server's. Standard decodes still go before premium prefill so that
-        # they grow in the shared pool and premium can use its reserve.
+        # they grow in the shared pool and premium can use its reserve, unless
+        # they wait this step out (TierSteps.defer_standard_decodes).
         decodes = [r for r in self.running if r.num_remaining_tokens == 1]
+        premium_decodes = [r for r in decodes if self._tier(r) is Tier.PREMIUM]
+        if len(premium_decodes) < len(decodes) and self.tier_steps.defer_standard_decodes(
+                self._step_id, premium_head_fits or self._premium_prompt_in_progress()):
+            decodes = premium_decodes
         speculate = self.speculation is not None and self.speculation.speculates_this_step(len(decodes))
         self._schedule_running_all(decodes, plan, speculate)
         for tier in self._tier_order():
             budget_before = plan.budget
-            held_back = self._held_back(plan, tier)
+            held_back = self.tier_steps.held_back(plan.budget, tier, self._step_id)
             plan.budget -= held_back
             self._schedule_running_all([r for r in self.running if r.num_remaining_tokens > 1
                                         and self._tier(r) is tier], plan)
@@ -259,19 +265,8 @@ class Scheduler:
                 return
             self._preempt(victim, plan, caused_by=req.request_id)
 
-    def _held_back(self, plan: _StepPlan, tier: Tier) -> int:
-        """Budget standard prefill may not use this step (see SchedulerConfig)."""
-        cap = self.config.max_standard_prefill_tokens
-        if cap is None or tier is not Tier.STANDARD or not self.config.enable_tiers or not self._premium_recent():
-            return 0
-        return max(0, plan.budget - cap)
-
-    def _premium_recent(self) -> bool:
-        """Whether a premium request arrived within the cap's window of steps."""
-        window = self.config.standard_prefill_cap_steps
-        if window == 0:
-            return True
-        return self._premium_arrival_step is not None and self._step_id - self._premium_arrival_step <= window
+    def _premium_prompt_in_progress(self) -> bool:
+        return any(r.tier is Tier.PREMIUM and r.num_remaining_tokens > 1 for r in self.running)
 
     def _tier_order(self) -> tuple[Tier, ...]:
         return (Tier.PREMIUM, Tier.STANDARD) if self.config.enable_tiers else (Tier.STANDARD,)
@@ -313,14 +308,15 @@ class Scheduler:
         plan.budget -= num_new
         return True
 
-    def _make_room_for_premium(self, plan: _StepPlan) -> None:
-        """Preempt standard work so the premium head can be admitted this step.
+    def _make_room_for_premium(self, plan: _StepPlan) -> bool:
+        """Preempt standard work so the premium head can be admitted this
+        step; whether it now fits.
 
         Done before anything is scheduled, so the victims give back blocks that
         hold only computed KV and no slice has to be unwound."""
         queue = self.waiting[Tier.PREMIUM]
         if not self.config.enable_tiers or not queue:
-            return
+            return False
         head = queue[0]
         verdict = self.adapters.verdict(head, self._step_id)
         if verdict is SlotVerdict.WAIT_SLOT:
@@ -330,7 +326,7 @@ class Scheduler:
                 self._preempt(victim, plan, caused_by=head.request_id)
             verdict = self.adapters.verdict(head, self._step_id)
         if verdict is not SlotVerdict.ADMIT:
-            return  # it could not run this step anyway
+            return False  # it could not run this step anyway
         chunk = min(head.num_tokens, plan.budget)
         needed = -(-chunk // self.block_size)
         # Blocks the running requests will take this step come first.
@@ -341,10 +337,11 @@ class Scheduler:
         while self.kv.num_free_blocks() < needed or seats > 0:
             victim = next((r for r in reversed(self.running) if r.tier is Tier.STANDARD), None)
             if victim is None:
-                return
+                return False
             needed -= self._blocks_to_grow(victim)
             seats -= victim.num_seqs
             self._preempt(victim, plan, caused_by=head.request_id)
+        return True
 
     def _blocks_to_grow(self, req: Request) -> int:
         have = len(self.kv.block_table(req.request_id))

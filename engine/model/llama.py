@@ -4,8 +4,8 @@ flat batch and a paged KV cache.
 Numerics follow HF transformers' op order wherever it changes bits: RMSNorm
 in float32 cast back before the weight, RoPE via rotate_half, softmax scale
 head_dim ** -0.5. q/k/v and gate/up run as one fused matmul each; every
-projection goes through `PackedLinear.forward`, the one place a LoRA backend
-will add its per-slice deltas.
+projection goes through `PackedLinear.forward` (engine/model/layers.py), the
+one place a LoRA backend adds its per-slice deltas.
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.model import cpu_linear, quant_linear
+from engine.model import cpu_elementwise, cpu_linear, quant_linear
+from engine.model.layers import PackedLinear, RMSNorm, empty_param, load_param
 from engine.model.rope import RotaryEmbedding, apply_rotary, head_dim_of
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 @contextmanager
@@ -41,109 +38,6 @@ def _single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
-
-
-def _load_param(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
-    """Loads `tensor` into `param`. A tensor already in the right dtype, on
-    the right device and contiguous is adopted rather than copied: from a
-    memory-mapped safetensors file that saves a copy and the page faults of a
-    fresh allocation, and lets processes share the page cache."""
-    if param.shape != tensor.shape:
-        raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    if tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
-        param.data = tensor
-    else:
-        param.copy_(tensor)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight = _empty((hidden_size,), dtype, device)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype)
-
-
-class PackedLinear(nn.Module):
-    """Several HF projections that read the same input, computed as one matmul.
-
-    `slices` names the output columns in order, e.g. (("q", 576), ("k", 192),
-    ("v", 192)); `forward` returns them side by side. LoRA hooks here: a delta
-    for slice `s` adds to columns `offsets[s]:offsets[s] + sizes[s]`.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        slices: tuple[tuple[str, int], ...],
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        quantized: bool = False,
-    ):
-        super().__init__()
-        self.slice_names = tuple(name for name, _ in slices)
-        self.sizes = {name: size for name, size in slices}
-        self.offsets: dict[str, int] = {}
-        total = 0
-        for name, size in slices:
-            self.offsets[name] = total
-            total += size
-        self.in_features = in_features
-        # Quantized (`quantize`), the weight loads in float32, whatever the
-        # activations' dtype, so it quantizes from the checkpoint's values.
-        self.dtype = dtype
-        self.weight = _empty((total, in_features), torch.float32 if quantized else dtype, device)
-        self.bias = _empty((total,), dtype, device) if bias else None
-        self.param_names = ("weight", "bias") if bias else ("weight",)
-        # Decode steps (a few rows) go to the C++ skinny kernels on the CPU.
-        on_cpu = device.type == "cpu"
-        self.cpu_linear = cpu_linear.load_kernel() if on_cpu else None
-        self.quant_kernel = quant_linear.load_kernel() if on_cpu and quantized else None
-        self.qweight: quant_linear.QuantizedWeight | None = None  # set by `quantize`
-        # Set by the engine builder when LoRA is on: adds the step's
-        # per-token adapter deltas into the output, hook(x, out).
-        self.lora_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
-        if self.qweight is not None:
-            out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias, self.weight, self.cpu_linear)
-        else:
-            out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias)
-        if self.lora_hook is not None:
-            self.lora_hook(x, out)
-        return out
-
-    def quantize(self, method: str) -> None:
-        """Replaces the loaded float weight by its `method` form; the float
-        one is dropped (`weight` None)."""
-        self.qweight = quant_linear.quantize(self.weight.data, method)
-        self.weight = None
-
-    def keep(self, qweight: quant_linear.QuantizedWeight | None) -> None:
-        """Quantization "auto": the float weight, now in the activations'
-        dtype, with `qweight` (exactly its values, or None) beside it for
-        the calls small enough for the quantized kernel."""
-        self.qweight = qweight
-        self.weight = nn.Parameter(self.weight.data.to(self.dtype), requires_grad=False)
-
-    def load_slice(self, name: str, param: str, tensor: torch.Tensor) -> None:
-        target = self.weight if param == "weight" else self.bias
-        if len(self.slice_names) == 1:
-            _load_param(target, f"{name}_proj.{param}", tensor)
-            return
-        rows = target[self.offsets[name] : self.offsets[name] + self.sizes[name]]
-        if rows.shape != tensor.shape:
-            raise ModelLoadError(
-                f"{name}_proj.{param} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
-            )
-        rows.copy_(tensor)
 
 
 class LlamaAttention(nn.Module):
@@ -162,6 +56,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, (("q", q_size), ("k", kv_size), ("v", kv_size)), bias, dtype, device, quantized
         )
         self.o_proj = PackedLinear(q_size, (("o", config.hidden_size),), bias, dtype, device, quantized)
+        self.elementwise = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
 
     def forward(
         self,
@@ -176,7 +71,10 @@ class LlamaAttention(nn.Module):
         # q and k heads sit side by side in qkv: rotate them in one pass
         # (elementwise, so bit-identical to rotating each on its own).
         qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        rotated = None if self.elementwise is None else cpu_elementwise.rotary(self.elementwise, qk, cos, sin)
+        if rotated is None:
+            rotated = apply_rotary(qk, cos, sin)
+        q, k = rotated.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -212,12 +110,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, device, quantized)
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        hidden, normed = self.post_attention_layernorm.add_forward(hidden, attn)
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -251,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.num_layers = config.num_hidden_layers
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = _empty((config.vocab_size, config.hidden_size),
+        self.embed_tokens = empty_param((config.vocab_size, config.hidden_size),
                                    head_dtype if self.tie_word_embeddings else dtype, self.device)
         self.rotary = RotaryEmbedding(config, self.device)
         self.layers = nn.ModuleList(
@@ -261,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = _empty((config.vocab_size, config.hidden_size), head_dtype, self.device)
+            self.lm_head = empty_param((config.vocab_size, config.hidden_size), head_dtype, self.device)
         self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         self.as_stored = False  # set by `keep_as_stored`: "auto" found Q4_1 linears
         self.lm_head_stored: quant_linear.QuantizedWeight | None = None  # "auto" found a Q8_0 head
@@ -344,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         loaders: dict[str, Callable[[torch.Tensor], None]] = {}
 
         def plain(name: str, param: nn.Parameter) -> None:
-            loaders[name] = partial(_load_param, param, name)
+            loaders[name] = partial(load_param, param, name)
 
         def packed(prefix: str, linear: PackedLinear) -> None:
             for slice_name in linear.slice_names:

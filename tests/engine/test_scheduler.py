@@ -53,6 +53,7 @@ def test_premium_prefill_goes_before_a_standard_prefill_in_progress():
 
 def test_a_step_that_prefills_premium_carries_no_standard_prefill():
     s = make_scheduler(budget=64, block_size=4, premium_prefill_alone=True)
+    s.config.premium_prefill_defers_decodes = False
     s.add_request(make_request("dec", 4, max_tokens=50))
     step(s)
     s.add_request(make_request("std", 40))
@@ -62,6 +63,27 @@ def test_a_step_that_prefills_premium_carries_no_standard_prefill():
     assert slices(out) == {"dec": 1, "pre": 12}
     out, _ = step(s)
     assert slices(out) == {"dec": 1, "pre": 1, "std": 40}
+
+
+def test_standard_decodes_wait_out_a_premium_prefill_step_but_never_two_in_a_row():
+    s = make_scheduler(budget=64, block_size=4, premium_prefill_alone=True)
+    s.add_request(make_request("dec", 4, max_tokens=50))
+    step(s)
+    s.add_request(make_request("pdec", 4, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert slices(out) == {"pdec": 4}
+    out, _ = step(s)
+    assert slices(out) == {"dec": 1, "pdec": 1}  # no premium prefill due
+    s.add_request(make_request("pre", 12, tier=Tier.PREMIUM, max_tokens=2))
+    out, _ = step(s)
+    # The premium prompt's first step carries the premium decode only.
+    assert slices(out) == {"pdec": 1, "pre": 12}
+    s.add_request(make_request("pre2", 12, tier=Tier.PREMIUM, max_tokens=2))
+    out, _ = step(s)
+    # Deferred last step, so not again: the standard decode runs beside the next premium prompt.
+    assert slices(out) == {"dec": 1, "pdec": 1, "pre": 1, "pre2": 12}
+    out, _ = step(s)
+    assert slices(out)["dec"] == 1  # no premium prefill due: nothing deferred
 
 
 def test_standard_prefill_per_step_is_capped_with_tiers_on():

@@ -138,6 +138,15 @@ def test_blocked_formats_in_bfloat16_multiply_the_float_paths_bfloat16_weights(k
         expected = (x.double() @ weight.double().T).to(torch.bfloat16)
         # One bfloat16 rounding step at most (the float32 sums differ by ~1e-6).
         torch.testing.assert_close(out.float(), expected.float(), atol=1e-5, rtol=2**-7)
+    # The weights themselves, bit for bit: token rows of the identity read
+    # one weight each (its product with 1 and a sum of zeros are exact), on
+    # an even and an odd number of blocks a row (Q4_1 dequantizes pairs).
+    for shape in (SHAPES["gate_up"], (100, 96)):
+        qw = qws[fmt] if shape == SHAPES["gate_up"] else _weights(shape, seed=6)[0][fmt]
+        eye = torch.eye(shape[1], dtype=torch.bfloat16)
+        out = torch.empty(shape[1], shape[0], dtype=torch.bfloat16)
+        assert qw.run_kernel(kernel, eye, None, out)
+        assert torch.equal(out, qw.dequantize(torch.float32).to(torch.bfloat16).T)
 
 
 @pytest.mark.parametrize("case", ["float16", "k_not_multiple_of_32"])

@@ -1,0 +1,47 @@
+"""When standard work gives way to premium inside a step, by step count:
+the cap on standard prefill and the window it holds in, and the standard
+decodes a premium prefill step leaves out. Bookkeeping over step ids only;
+the Scheduler asks it while it builds a step (docs/engine.md, "Scheduling")."""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.request import Tier
+
+
+class TierSteps:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._premium_arrival_step: int | None = None  # the step of the latest premium arrival
+        self._decodes_deferred_step: int | None = None  # the latest step that left standard decodes out
+
+    def premium_arrived(self, step_id: int) -> None:
+        self._premium_arrival_step = step_id
+
+    def held_back(self, budget: int, tier: Tier, step_id: int) -> int:
+        """Budget that `tier`'s prefill may not use in step `step_id`: all
+        past `max_standard_prefill_tokens` for standard work while the cap
+        holds, else none."""
+        cap = self.config.max_standard_prefill_tokens
+        if cap is None or tier is not Tier.STANDARD or not self.config.enable_tiers or not self._premium_recent(step_id):
+            return 0
+        return max(0, budget - cap)
+
+    def _premium_recent(self, step_id: int) -> bool:
+        """Whether a premium request arrived within the cap's window of steps."""
+        window = self.config.standard_prefill_cap_steps
+        if window == 0:
+            return True
+        return self._premium_arrival_step is not None and step_id - self._premium_arrival_step <= window
+
+    def defer_standard_decodes(self, step_id: int, premium_prefill_due: bool) -> bool:
+        """Whether step `step_id`, which has standard decodes, leaves them
+        out: with premium prefill alone, when premium prefill is due and the
+        step before did not leave them out (recorded when it answers yes)."""
+        cfg = self.config
+        if not (cfg.enable_tiers and cfg.premium_prefill_alone and cfg.premium_prefill_defers_decodes):
+            return False
+        if not premium_prefill_due or self._decodes_deferred_step == step_id - 1:
+            return False
+        self._decodes_deferred_step = step_id
+        return True
