@@ -138,10 +138,10 @@ struct Q41Rows {
   // computed as bf16_block computes them (one vector a block, both tables in
   // one register), and each of the 64 weights is looked up by its nibble
   // (vpermw). Half the 512-bit conversions of bf16_block: on an AMD Zen 4,
-  // which runs those in two passes, a 1-row call on a 3072 x 576 weight took
-  // 61 us against 120 (2 threads; benchmarks/quant_linear.py has the
-  // shapes). One table a block, looked up on its own, measured no faster
-  // than bf16_block on an Intel Xeon.
+  // which runs those in two passes, a 1-row call on the 1536 x 576 gate
+  // weight took 52 us against 68 (benchmarks/quant_linear.py, streamed;
+  // docs/engine.md has the table). One table a block, looked up on its own,
+  // measured no faster than bf16_block on an Intel Xeon.
   static constexpr bool kPairs = true;
   void bf16_block_pair(int64_t n, int64_t b, __m512bh* out) const {
     const __m512 dm4 = _mm512_castps128_ps512(
