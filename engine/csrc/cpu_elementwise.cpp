@@ -16,14 +16,6 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 // than a parallel region costs.
 constexpr int64_t kGrainRows = 64;
 
-inline float sum_lanes(f32x16 v) {
-  float lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof lanes);
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += lanes[i];
-  return s;
-}
-
 // The value of T nearest to v (ties to even), as a float: what torch's
 // op in T gives before it stores.
 template <typename T> inline f32x16 round_to(f32x16 v);
@@ -73,7 +65,7 @@ void norm_impl(T* x, int64_t x_stride, const T* residual, int64_t r_stride, cons
         const f32x16 v = load16(xr + i);
         acc += v * v;
       }
-      float sq = sum_lanes(acc);
+      float sq = hsum<kLanes>(acc);
       for (; i < h; ++i) sq += to_float(xr[i]) * to_float(xr[i]);
       const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + eps);
       T* o = out + r * out_stride;

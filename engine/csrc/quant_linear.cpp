@@ -83,13 +83,6 @@ inline fvec widen(const int8_t* p) {
 
 inline fvec widen(u8vec v) { return widen_bytes(v); }
 
-inline float hsum(fvec v) {
-  float lanes[kVec], s = 0.f;
-  std::memcpy(lanes, &v, sizeof lanes);
-  for (int i = 0; i < kVec; ++i) s += lanes[i];
-  return s;
-}
-
 // Rows: kVec weights of row `n` from column `h` (a multiple of kVec), as
 // float32 before the row's `finish`.
 struct Int8Rows {
@@ -211,7 +204,7 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
     }
     for (int jj = 0; jj < JB; ++jj)
       for (int kk = 0; kk < KT && k0 + kk < nk; ++kk)
-        y[jj * y_stride + k0 + kk] = static_cast<T>(rows.finish(r[kk], hsum(acc[jj][kk])));
+        y[jj * y_stride + k0 + kk] = static_cast<T>(rows.finish(r[kk], hsum<kVec>(acc[jj][kk])));
   }
 }
 

@@ -2,7 +2,8 @@
 // 16-lane float32 vectors (GCC vector extensions; the compiler maps them onto
 // AVX-512, or pairs of AVX2 registers; 8-lane ones for kernels sized to an
 // AVX2 register), loads that widen bfloat16 and stores
-// that round to it, a horizontal sum of 16 vectors at once, and the
+// that round to it, the sum of one vector's lanes, a horizontal sum of 16
+// vectors at once, and the
 // register-tiled dot products of a few rows against many (the LoRA shrink,
 // the skinny linear). native/__init__.py copies it beside every kernel's
 // source for the build.
@@ -48,6 +49,15 @@ inline typename Lanes<N>::f32 load_lanes(const c10::BFloat16* p) {  // bfloat16 
   typename Lanes<N>::f32 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
+}
+
+// The sum of a vector's N lanes, in lane order.
+template <int N>
+inline float hsum(typename Lanes<N>::f32 v) {
+  float lanes[N], s = 0.f;
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int i = 0; i < N; ++i) s += lanes[i];
+  return s;
 }
 
 constexpr int kLanes = 16;
