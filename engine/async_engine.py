@@ -57,6 +57,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Set when a premium request is queued, cleared before commands are
+        # applied: a step in flight may be dropped for it (EngineCore.step).
+        self._premium_waiting = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, OutputMailbox]] = {}
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
@@ -94,6 +97,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink = OutputMailbox()
         self._commands.put(_Add(request_id, prompt, params, tier, adapter, adapter_key, cache_salt, sink, loop))
+        if tier == Tier.PREMIUM:
+            self._premium_waiting.set()
         finished = False
         try:
             while True:
@@ -132,10 +137,11 @@ class AsyncEngine:
         try:
             while True:
                 busy = self.engine.has_unfinished()
+                self._premium_waiting.clear()  # what it announced is applied below
                 if not self._drain_commands(block=not busy):
                     return
                 if self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                    outputs = self.engine.step(interrupt=self._premium_waiting.is_set)
                     self.snapshot = take_snapshot(self.engine, self._counter)
                     for out in outputs:
                         self._deliver(out)

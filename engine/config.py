@@ -54,6 +54,14 @@ class SchedulerConfig:
     standard_prefill_cap_steps: int = setting(
         4096, help="steps after a premium request arrives for which --standard-prefill-tokens holds (0: always, "
                    "premium or not)")
+    # The cap shortens the step in flight; this drops it, while it is in its
+    # first half: its work is done again in a later step, so a premium
+    # arrival costs standard work at most half a step, and its own wait
+    # falls from up to a step to a layer. Only engines with a premium signal
+    # (the worker process) interrupt; never two steps in a row.
+    premium_interrupts_steps: bool = setting(
+        True, help="let a premium arrival wait out the whole standard step in flight (else a step in its "
+                   "first half is dropped and done again after the premium request's)")
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.step_io import SchedulerOutput, StepResult
@@ -13,13 +15,18 @@ class EngineCore:
         self.runner = runner
         self.last_schedule: SchedulerOutput | None = None
 
-    def step(self) -> StepResult | None:
-        """Run one step; None when there was nothing to compute."""
+    def step(self, interrupt: Callable[[], bool] | None = None) -> StepResult | None:
+        """Run one step; None when there was nothing to compute. `interrupt`
+        says whether a premium request is waiting to be scheduled; an
+        interruptible step in its first half is then dropped (a StepResult
+        with usage and no updates)."""
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if sched.is_empty and not sched.copies:
             if sched.finished_ids:
                 self.runner.drop(sched.finished_ids)
             return None
-        runner_out = self.runner.execute(sched)
+        runner_out = self.runner.execute(sched, interrupt)
+        if runner_out.interrupted:
+            return self.scheduler.interrupted(sched, runner_out)
         return self.scheduler.update(sched, runner_out)

@@ -285,6 +285,26 @@ class KVCacheManager:
                     self.block_pool.unregister(state.block_table[i])
         self.block_pool.free(reversed(state.block_table))
 
+    def fresh_hashed_blocks(self, req: Request) -> list[int]:
+        """The blocks whose hash the request's latest allocation registered."""
+        state = self._requests.get(req.request_id)
+        return [state.block_table[i] for i in state.pending_hashed] if state is not None else []
+
+    def forget_uncomputed(self, req: Request) -> None:
+        """The step of the request's latest allocation was dropped: blocks
+        not fully below `num_computed_tokens` lose the hashes it gave them
+        (they would be prefix hits on K/V never written), and the chain
+        forgets them, so that the next allocation hashes them again."""
+        state = self._requests.get(req.request_id)
+        if state is None:
+            return
+        keep = req.num_computed_tokens // self.block_size
+        for i in state.pending_hashed:
+            if i >= keep:
+                self.block_pool.unregister(state.block_table[i])
+        state.pending_hashed = [i for i in state.pending_hashed if i < keep]
+        del state.block_hashes[keep:]
+
     def reset_prefix_cache(self) -> bool:
         """Drop the hash of every free block, so no later request hits them.
         Blocks still in use keep theirs. True when nothing is cached

@@ -151,12 +151,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.scheduler.has_unfinished() or bool(self._grammar_waits)
 
-    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, *, final_only: bool = False, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """Run one engine step; the outputs of the requests it changed, each
         the delta since that request's previous output (with `final_only`,
-        only of those it finished, each whole, as `LLM.generate` needs)."""
+        only of those it finished, each whole, as `LLM.generate` needs).
+        `interrupt`: EngineCore.step's."""
         failed = self._fail_unloadable_adapters() + self._schedule_compiled()
-        result = self.core.step()
+        result = self.core.step(interrupt)
         if result is None:
             if self._grammar_waits and not failed:
                 # Nothing could run: whatever waits, waits for its grammar.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,25 +56,35 @@ class ModelRunner:
             self.grammar.drop(finished_ids)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, interrupt: Callable[[], bool] | None = None) -> RunnerOutput:
+        """Run the step. While an interruptible step is in its first half,
+        `interrupt()` is asked before each layer; when it says yes the step
+        stops there, having written only K/V that its requests' positions
+        will be written again with, and samples nothing."""
         timer = _StepTimer(self.device)
         self.drop(sched.finished_ids)
         if sched.copies:
             self._copy_blocks(sched.copies)
-        sampled = {}
+        sampled, interrupted = {}, False
         if sched.requests:
             # With LoRA the batch is reordered so each adapter's tokens are contiguous.
             reqs = self.lora.begin_step(sched.requests) if self.lora else sched.requests
+            hook = {}
+            if interrupt is not None and sched.interruptible:
+                hook["before_layer"] = partial(_stop_if, interrupt, self.model.num_layers)
             try:
                 input_ids, positions, meta = self._prepare_inputs(reqs)
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, **hook)
+            except _Interrupted:
+                interrupted = True
             finally:
                 if self.lora:
                     self.lora.end_step()
-            if any(r.sample for r in reqs):
+            if not interrupted and any(r.sample for r in reqs):
                 sampled = self._sample(hidden, reqs)
         loads = self.lora.slots.take_loads() if self.lora else ()
-        return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us(), adapter_loads=loads)
+        return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us(), adapter_loads=loads,
+                            interrupted=interrupted)
 
     def _sample(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> dict[str, list[SampledToken]]:
         """Sample every slice with sample=True. Only the rows sampled reach
@@ -156,6 +168,17 @@ def sampling_rows(reqs: list[ScheduledRequest]) -> tuple[list[int], list[Schedul
             rows.append(dataclasses.replace(r, output_token_ids=r.output_token_ids + drafts[:i], num_samples=1,
                                             draft_token_ids=[]) if drafts else r)
     return hidden_rows, rows
+
+
+class _Interrupted(Exception):
+    """Raised between layers to drop the step in flight."""
+
+
+def _stop_if(interrupt: Callable[[], bool], num_layers: int, layer: int) -> None:
+    # Past half way, finishing the step is the shorter wait, and dropping
+    # it would waste more than the premium request gains.
+    if 2 * layer <= num_layers and interrupt():
+        raise _Interrupted
 
 
 class _StepTimer:

@@ -59,6 +59,7 @@ class _StepPlan:
     budget: int
     slices: dict[str, _Slice] = field(default_factory=dict)
     preemptions: list[Preemption] = field(default_factory=list)
+    prefix_hits: list[int] = field(default_factory=list)  # blocks admissions took from the prefix cache
 
 
 class Scheduler:
@@ -76,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by _priority
         self.requests: dict[str, Request] = {}  # every live sequence, by id
         self.num_preemptions: dict[Tier, int] = {Tier.PREMIUM: 0, Tier.STANDARD: 0}
+        self.num_steps_dropped = 0  # steps the runner dropped part way for a premium arrival
         self._finished_ids: list[str] = []
         self._step_id = 0
         self.tier_steps = TierSteps(config)
@@ -188,7 +190,37 @@ class Scheduler:
             copies=[c for s in plan.slices.values() for c in s.copies],
             preemptions=plan.preemptions,
             finished_ids=finished,
+            interruptible=self._interruptible(plan),
         )
+
+    def _interruptible(self, plan: _StepPlan) -> bool:
+        slices = plan.slices.values()
+        premium_prefill = any(s.request.tier is Tier.PREMIUM and s.request.num_remaining_tokens > 1 for s in slices)
+        standard = any(s.request.tier is Tier.STANDARD for s in slices)
+        if not self.tier_steps.interruptible(self._step_id, premium_prefill, standard):
+            return False
+        # A request admitted on blocks that this very step fills would keep
+        # them as computed if the step were dropped.
+        fresh = {b for s in slices for b in self.kv.fresh_hashed_blocks(s.request)}
+        return fresh.isdisjoint(plan.prefix_hits)
+
+    def interrupted(self, sched: SchedulerOutput, runner: RunnerOutput) -> StepResult:
+        """The runner dropped the step part way: its requests stay where they
+        were, to be scheduled again, the blocks it was to fill lose their
+        hashes, and its busy time is billed to its slices as recomputation
+        (as a preemption's would be)."""
+        self.tier_steps.dropped(sched.step_id)
+        self.num_steps_dropped += 1
+        for item in sched.requests:
+            req = self.requests.get(item.request_id)
+            if req is not None:
+                self.kv.forget_uncomputed(req)
+        usage = tuple(RequestStepUsage(item.request_id, item.tier, item.adapter_key, prompt_tokens_computed=0,
+                                       prompt_tokens_cached=0, recomputed_tokens=item.num_tokens, decode_tokens=0,
+                                       group_id=item.group_id) for item in sched.requests)
+        return StepResult(updates=[], usage=StepUsage(
+            step_id=sched.step_id, busy_time_us=runner.busy_time_us, requests=usage,
+            preemptions=tuple(sched.preemptions), adapter_loads=runner.adapter_loads))
 
     def update(self, sched: SchedulerOutput, runner: RunnerOutput) -> StepResult:
         updates: list[RequestUpdate] = []
@@ -300,6 +332,7 @@ class Scheduler:
             return False
         if req.num_preemptions == 0:
             req.num_cached_prompt_tokens = prefix.num_tokens
+        plan.prefix_hits += prefix.blocks
         req.num_computed_tokens = prefix.num_tokens
         req.status = RequestStatus.RUNNING
         self._insert_running(req)

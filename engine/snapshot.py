@@ -45,6 +45,7 @@ class EngineSnapshot:
     # `min(len, adapter_loads - seen)` are new to a reader.
     recent_adapter_load_seconds: tuple[float, ...] = ()
     steps: int = 0  # engine steps run, cumulative
+    steps_dropped: int = 0  # of those, dropped part way for a premium arrival
     busy_time_us: int = 0  # the sum of those steps' busy time
     # Speculative decoding, cumulative, as vLLM counts: sequence-steps that
     # carried drafts, the drafts, and those the target model accepted.
@@ -102,6 +103,7 @@ def take_snapshot(llm_engine, counter: StepCounter | None = None) -> EngineSnaps
         adapter_evictions=slots.num_evictions if slots else 0,
         recent_adapter_load_seconds=tuple(slots.recent_load_seconds)[-_RECENT_LOADS:] if slots else (),
         steps=counter.steps if counter else 0, busy_time_us=counter.busy_time_us if counter else 0,
+        steps_dropped=sched.num_steps_dropped,
         spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
         spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
 
@@ -135,7 +137,7 @@ def combine_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         host_adapters=union("host_adapters"), waiting_adapters=union("waiting_adapters"), adapter_loads=total("adapter_loads"),
         adapter_evictions=total("adapter_evictions"),
         recent_adapter_load_seconds=tuple(s for snap in snapshots for s in snap.recent_adapter_load_seconds),
-        steps=total("steps"), busy_time_us=total("busy_time_us"),
+        steps=total("steps"), busy_time_us=total("busy_time_us"), steps_dropped=total("steps_dropped"),
         spec_decode_num_drafts=total("spec_decode_num_drafts"),
         spec_decode_num_draft_tokens=total("spec_decode_num_draft_tokens"),
         spec_decode_num_accepted_tokens=total("spec_decode_num_accepted_tokens"))

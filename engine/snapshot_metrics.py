@@ -77,6 +77,8 @@ class _Families:
         self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.", ["tier"])
         self.preemptions = counter("num_preemptions",
                                    "Cumulative number of preemptions, by the preempted request's tier.", ["tier"])
+        self.steps_dropped = counter("num_steps_dropped",
+                                     "Engine steps dropped part way for a premium arrival, to be done again.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.tier_usage = gauge("kv_cache_tier_usage_perc",
                                 "Blocks held by the tier's requests over the blocks the tier may use.", ["tier"])
@@ -104,6 +106,7 @@ class _Families:
             self.blocks.add_metric([t, "reserved", *w], reserved)
             self.blocks.add_metric([t, "used", *w], used)
             self.blocks.add_metric([t, "free", *w], snap.kv_free_blocks_for(tier))
+        self.steps_dropped.add_metric(w, snap.steps_dropped)
         self.kv_usage.add_metric(w, snap.kv_used_blocks / snap.kv_num_blocks if snap.kv_num_blocks else 0.0)
         self.prefix_queries.add_metric(w, snap.prefix_cache_queries)
         self.prefix_hits.add_metric(w, snap.prefix_cache_hits)
@@ -115,7 +118,7 @@ class _Families:
             family.add_metric(w, value)
 
     def all(self):
-        return [self.running, self.waiting, self.preemptions, self.kv_usage, self.tier_usage, self.blocks,
+        return [self.running, self.waiting, self.preemptions, self.steps_dropped, self.kv_usage, self.tier_usage, self.blocks,
                 self.prefix_queries, self.prefix_hits, self.resident, self.loads, self.evictions, *self.spec]
 
 

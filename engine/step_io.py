@@ -73,6 +73,9 @@ class SchedulerOutput:
     preemptions: list[Preemption] = field(default_factory=list)
     # Requests that ended since the last step; the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)
+    # Whether the runner may drop this step part way for a premium arrival
+    # (Scheduler.interrupted puts the requests back as they were).
+    interruptible: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -101,6 +104,9 @@ class RunnerOutput:
     busy_time_us: int
     # Slot loads inside this step; their time is part of busy_time_us.
     adapter_loads: tuple[AdapterLoad, ...] = ()
+    # The step was dropped part way (sampled is empty): its busy time is
+    # billed, and its tokens are computed again in a later step.
+    interrupted: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """When standard work gives way to premium inside a step, by step count:
-the cap on standard prefill and the window it holds in, and the standard
-decodes a premium prefill step leaves out. Bookkeeping over step ids only;
+the cap on standard prefill and the window it holds in, the standard
+decodes a premium prefill step leaves out, and which standard steps a
+premium arrival may drop part way. Bookkeeping over step ids only;
 the Scheduler asks it while it builds a step (docs/engine.md, "Scheduling")."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ class TierSteps:
         self.config = config
         self._premium_arrival_step: int | None = None  # the step of the latest premium arrival
         self._decodes_deferred_step: int | None = None  # the latest step that left standard decodes out
+        self._standard_step = -1  # the latest step that carried standard work
+        self._dropped_step: int | None = None  # the latest step dropped part way
 
     def premium_arrived(self, step_id: int) -> None:
         self._premium_arrival_step = step_id
@@ -45,3 +48,19 @@ class TierSteps:
             return False
         self._decodes_deferred_step = step_id
         return True
+
+    def interruptible(self, step_id: int, premium_prefill: bool, standard: bool) -> bool:
+        """Whether step `step_id` may be dropped part way for a premium
+        arrival: with `premium_interrupts_steps`, a step that carries
+        standard work and no premium prefill, unless the step that carried
+        standard work before it was dropped. So standard work completes at
+        least every other step it is in, whatever premium sends."""
+        if not standard:
+            return False
+        previous, self._standard_step = self._standard_step, step_id
+        cfg = self.config
+        return (cfg.enable_tiers and cfg.premium_interrupts_steps and not premium_prefill
+                and (self._dropped_step is None or previous > self._dropped_step))
+
+    def dropped(self, step_id: int) -> None:
+        self._dropped_step = step_id

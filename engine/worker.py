@@ -189,7 +189,7 @@ class Worker:
             if isinstance(message, Hello):
                 self._hello(peer, message)
             elif peer in self.sessions:
-                self.engine.commands.put((peer, message))
+                self.engine.submit(peer, message)
             # else: a peer that never opened a session; its commands are ignored
 
     def _hello(self, peer: bytes, hello: Hello) -> None:

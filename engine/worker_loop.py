@@ -17,6 +17,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.errors import ValidationError
+from engine.request import Tier
 from engine.snapshot import StepCounter, take_snapshot
 from engine.usage_split import split_usage
 from engine.wire import Abort, AddRequest, Codec, Fatal, Rejection, StepOutputs, WorkerInfo
@@ -58,6 +59,10 @@ class EngineLoop:
         self.snapshot = None  # the latest EngineSnapshot; read by the I/O thread (one reference, swapped whole)
         self.failed = threading.Event()
         self.stopped = threading.Event()
+        # Set by the I/O thread when a premium request comes in, cleared
+        # before commands are applied: a step in flight may then be dropped
+        # for it (EngineCore.step's `interrupt`).
+        self.premium_waiting = threading.Event()
         self._counter = StepCounter()
         # Live request id -> the session (peer identity) that sent it.
         self._owner: dict[str, bytes] = {}
@@ -69,6 +74,12 @@ class EngineLoop:
         # one, or a session that opened before the abort of another
         # session's requests would count them as running for good.
         self._aborted = False
+
+    def submit(self, peer: bytes, message) -> None:
+        """From the I/O thread: a gateway's command, applied between steps."""
+        self.commands.put((peer, message))
+        if isinstance(message, AddRequest) and message.tier is Tier.PREMIUM:
+            self.premium_waiting.set()
 
     def run(self) -> None:
         codec = Codec()
@@ -105,6 +116,7 @@ class EngineLoop:
         fault_after = int(os.environ.get(FAULT_AFTER_STEPS_ENV) or 0) or None
         while True:
             outputs, rejected = [], []
+            self.premium_waiting.clear()  # what it announced is applied below
             if not self._apply_commands(engine, outputs, rejected, block=not engine.has_unfinished()):
                 # The gateway hears of it at once, not after a heartbeat
                 # timeout: what has delivered nothing yet moves to another worker.
@@ -115,7 +127,7 @@ class EngineLoop:
                 try:
                     if fault_after is not None and self._counter.steps >= fault_after:
                         raise RuntimeError(f"{FAULT_AFTER_STEPS_ENV}={fault_after}: an injected fault")
-                    outputs += engine.step()
+                    outputs += engine.step(interrupt=self.premium_waiting.is_set)
                 except Exception as exc:  # noqa: BLE001 - the gateway must hear of it, then we exit
                     # Fatal alone: the gateway ends what has streamed and
                     # moves what has not to another worker.

@@ -174,16 +174,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         """Runs one step. Calls `attn_backend.prepare(meta)` once, so the
-        caller must not; each layer writes this step's K/V into its cache."""
+        caller must not; each layer writes this step's K/V into its cache.
+        `before_layer(i)` runs before layer i; it may raise to stop the step."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         with torch.inference_mode():
             self.attn_backend.prepare(meta)
             hidden = F.embedding(input_ids, self.embed_tokens)
             cos, sin = self.rotary(positions, hidden.dtype)
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                if before_layer is not None:
+                    before_layer(i)
                 hidden = layer(hidden, cos, sin, kv_cache, meta)
             return self.norm(hidden)
 

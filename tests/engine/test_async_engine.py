@@ -82,7 +82,7 @@ def test_validation_errors_reach_the_caller(engine):
 
 
 def test_step_failure_fails_every_request_and_later_ones(engine):
-    def broken(_sched):
+    def broken(_sched, _interrupt=None):
         raise RuntimeError("device fell over")
 
     engine.engine.core.runner.execute = broken
@@ -105,10 +105,10 @@ def test_event_loop_runs_while_a_step_is_in_progress(engine):
     entered, release = threading.Event(), threading.Event()
     execute = engine.engine.core.runner.execute
 
-    def slow(sched):
+    def slow(sched, interrupt=None):
         entered.set()
         release.wait(timeout=30)
-        return execute(sched)
+        return execute(sched, interrupt)
 
     engine.engine.core.runner.execute = slow
 

@@ -110,3 +110,55 @@ def test_preemption_by_recompute(case):
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
     assert llm.engine.scheduler.kv.num_free_blocks() == 40
+
+
+
+def _run(engine, prompts, tiers, interrupt) -> list[list[int]]:
+    ids = [engine.add_request(p, GREEDY, tier=t) for p, t in zip(prompts, tiers)]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step(final_only=True, interrupt=interrupt))
+    return [done[i] for i in ids]
+
+
+def test_steps_dropped_for_premium_change_no_token(case):
+    """Steps dropped at every point the runner allows, twice over the
+    prompts (the second pass on prefix hits): outputs as HF's; every
+    request billed its prompt and decode tokens once, plus what was dropped."""
+    model_dir, prompts, expected = case
+    llm = LLM(str(model_dir), max_num_batched_tokens=64)
+    engine = llm.engine
+    usage = []
+    engine.usage_sinks.append(usage.append)
+    asks = iter(range(10**9))
+    interrupt = lambda: next(asks) % 3 == 0  # noqa: E731 - drops steps at layer 0, 1, ...
+    tiers = ["premium" if i % 5 == 0 else "standard" for i in range(len(prompts))]
+    assert _run(engine, prompts, tiers, interrupt) == expected
+    assert _run(engine, prompts, tiers, interrupt) == expected
+
+    dropped = [u for u in usage if all(r.recomputed_tokens == r.computed_tokens for r in u.requests)]
+    assert len(dropped) > 5 and engine.scheduler.num_steps_dropped == len(dropped)
+    per_request: dict[str, list[int]] = {}
+    for u in usage:
+        for r in u.requests:
+            totals = per_request.setdefault(r.request_id, [0, 0])
+            totals[0] += r.prompt_tokens_computed + r.prompt_tokens_cached
+            totals[1] += r.decode_tokens
+    assert sorted(t[0] for t in per_request.values()) == sorted([len(engine.tokenize(p)) for p in prompts] * 2)
+    assert all(t[1] == NEW_TOKENS - 1 for t in per_request.values())
+    kv = engine.scheduler.kv
+    assert kv.usage().num_used == 0
+
+
+def test_a_premium_prompt_gets_no_hit_on_what_a_dropped_step_was_to_fill(case):
+    model_dir, prompts, expected = case
+    engine = LLM(str(model_dir), max_num_batched_tokens=64).engine
+    long_prompt = max(prompts, key=len)
+    first = engine.add_request(long_prompt, GREEDY)
+    assert engine.step(interrupt=lambda: True) == []
+    assert engine.core.last_schedule.interruptible
+    done = {}
+    second = engine.add_request(long_prompt, GREEDY, tier="premium")
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step(final_only=True))
+    assert done[first] == done[second] == expected[prompts.index(long_prompt)]

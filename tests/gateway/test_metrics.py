@@ -145,6 +145,7 @@ SERIES = [
     "loragw:e2e_request_latency_seconds", "loragw:request_queue_time_seconds",
     "loragw:request_success", "loragw:prompt_tokens", "loragw:generation_tokens",
     "loragw:num_requests_running", "loragw:num_requests_waiting", "loragw:num_preemptions",
+    "loragw:num_steps_dropped",
     "loragw:kv_cache_usage_perc", "loragw:kv_cache_tier_usage_perc", "loragw:kv_cache_blocks",
     "loragw:prefix_cache_queries", "loragw:prefix_cache_hits", "loragw:rejected_requests",
     "loragw:admission_waiting_requests", "loragw:admission_queued_prompt_tokens",
@@ -227,6 +228,7 @@ def test_metrics_after_a_small_workload(live):
     assert value(samples, "loragw:num_preemptions_total", tier="premium", **w) == 0
     assert value(samples, "loragw:num_preemptions_total", tier="standard", **w) == \
         gw.engine.stats().num_preemptions[Tier.STANDARD]
+    assert value(samples, "loragw:num_steps_dropped_total", **w) == gw.engine.stats().steps_dropped
     assert value(samples, "loragw:num_requests_running", tier="standard", **w) == 0
     assert value(samples, "loragw:kv_cache_blocks", tier="premium", state="reserved", **w) == \
         gw.engine.stats().kv_premium_reserved_blocks > 0
