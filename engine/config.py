@@ -57,8 +57,9 @@ class SchedulerConfig:
     # The cap shortens the step in flight; this drops it, while it is in its
     # first half: its work is done again in a later step, so a premium
     # arrival costs standard work at most half a step, and its own wait
-    # falls from up to a step to a layer. Only engines with a premium signal
-    # (the worker process) interrupt; never two steps in a row.
+    # falls from up to a step to a layer. Only engines told of premium
+    # arrivals drop steps (the worker, AsyncEngine; not the offline LLM),
+    # and never two standard steps in a row.
     premium_interrupts_steps: bool = setting(
         True, help="let a premium arrival wait out the whole standard step in flight (else a step in its "
                    "first half is dropped and done again after the premium request's)")

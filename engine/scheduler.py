@@ -206,20 +206,18 @@ class Scheduler:
 
     def interrupted(self, sched: SchedulerOutput, runner: RunnerOutput) -> StepResult:
         """The runner dropped the step part way: its requests stay where they
-        were, to be scheduled again, the blocks it was to fill lose their
-        hashes, and its busy time is billed to its slices as recomputation
-        (as a preemption's would be)."""
+        were, to be scheduled again, and the blocks it was to fill lose their
+        hashes. Its usage names no request, so the meter books its busy time
+        as platform overhead: the requests it held back did not ask for it,
+        and which premium request it made way for is not known yet."""
         self.tier_steps.dropped(sched.step_id)
         self.num_steps_dropped += 1
         for item in sched.requests:
             req = self.requests.get(item.request_id)
             if req is not None:
                 self.kv.forget_uncomputed(req)
-        usage = tuple(RequestStepUsage(item.request_id, item.tier, item.adapter_key, prompt_tokens_computed=0,
-                                       prompt_tokens_cached=0, recomputed_tokens=item.num_tokens, decode_tokens=0,
-                                       group_id=item.group_id) for item in sched.requests)
         return StepResult(updates=[], usage=StepUsage(
-            step_id=sched.step_id, busy_time_us=runner.busy_time_us, requests=usage,
+            step_id=sched.step_id, busy_time_us=runner.busy_time_us, requests=(),
             preemptions=tuple(sched.preemptions), adapter_loads=runner.adapter_loads))
 
     def update(self, sched: SchedulerOutput, runner: RunnerOutput) -> StepResult:

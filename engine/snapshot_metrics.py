@@ -118,8 +118,9 @@ class _Families:
             family.add_metric(w, value)
 
     def all(self):
-        return [self.running, self.waiting, self.preemptions, self.steps_dropped, self.kv_usage, self.tier_usage, self.blocks,
-                self.prefix_queries, self.prefix_hits, self.resident, self.loads, self.evictions, *self.spec]
+        return [self.running, self.waiting, self.preemptions, self.steps_dropped, self.kv_usage, self.tier_usage,
+                self.blocks, self.prefix_queries, self.prefix_hits, self.resident, self.loads, self.evictions,
+                *self.spec]
 
 
 def spec_decode_counters(counter) -> tuple:

@@ -104,8 +104,8 @@ class RunnerOutput:
     busy_time_us: int
     # Slot loads inside this step; their time is part of busy_time_us.
     adapter_loads: tuple[AdapterLoad, ...] = ()
-    # The step was dropped part way (sampled is empty): its busy time is
-    # billed, and its tokens are computed again in a later step.
+    # The step was dropped part way (sampled is empty): its tokens are
+    # computed again in a later step.
     interrupted: bool = False
 
 

@@ -97,3 +97,13 @@ def test_unknown_and_late_usage_is_overhead():
     assert meter.take_overhead_us() == 20 + 30
     assert meter.overhead_total_us == 50 and meter.busy_total_us == 70
     assert meter.settle("r") is None
+
+
+def test_a_step_that_names_no_request_is_overhead():
+    """What Scheduler.interrupted reports for a step dropped for a premium arrival."""
+    meter = Meter()
+    meter.register("r", BOB)
+    meter.on_step(StepUsage(1, 70, ()))
+    meter.on_step(StepUsage(2, 30, (usage("r", prompt=4),)))
+    assert meter.settle("r").gpu_us == 30
+    assert meter.take_overhead_us() == 70 and meter.busy_total_us == 100

@@ -14,7 +14,7 @@ def dropped(s, out, busy_us=400):
     return s.interrupted(out, RunnerOutput(sampled={}, busy_time_us=busy_us, interrupted=True))
 
 
-def test_a_dropped_step_leaves_its_requests_as_they_were_and_bills_recompute():
+def test_a_dropped_step_leaves_its_requests_as_they_were_and_bills_no_request():
     s = make_scheduler(budget=16, block_size=4, premium_prefill_alone=True)
     s.add_request(make_request("dec", 4, max_tokens=50))
     s.add_request(make_request("std", 40))
@@ -22,9 +22,8 @@ def test_a_dropped_step_leaves_its_requests_as_they_were_and_bills_recompute():
     out = s.schedule()
     assert out.interruptible and slices(out) == {"dec": 1, "std": 15}
     result = dropped(s, out)
-    assert result.updates == [] and result.usage.busy_time_us == 400
-    assert {(u.request_id, u.recomputed_tokens, u.prompt_tokens_computed, u.decode_tokens, u.prompt_tokens_cached)
-            for u in result.usage.requests} == {("dec", 1, 0, 0, 0), ("std", 15, 0, 0, 0)}
+    # The meter books a step that names no request as platform overhead.
+    assert result.updates == [] and result.usage.busy_time_us == 400 and result.usage.requests == ()
     s.add_request(make_request("pre", 8, tier=Tier.PREMIUM, max_tokens=2))
     out, _ = step(s)
     assert slices(out) == {"pre": 8}  # premium alone: its prefill, decodes deferred
