@@ -107,6 +107,30 @@ class Request:
         """Sort key: tier first, then arrival (FCFS), then fork index."""
         return (self.tier.rank, self.arrival_seq, self.index)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence
+        (a decode step needs one token of a possibly long list)."""
+        prompt, n = self.prompt_token_ids, self.num_prompt_tokens
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[:end - n]
+
+    def stop_reason(self, token_id: int) -> FinishReason | None:
+        """Why appending `token_id` (already in output_token_ids) ends the
+        request, if it does."""
+        params = self.sampling_params
+        num_out = len(self.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_out >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
 
 def fork_request_id(parent_id: str, index: int) -> str:
     """Id of the index-th sequence of a request with n > 1; index 0 is the parent."""

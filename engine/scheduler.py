@@ -409,7 +409,7 @@ class Scheduler:
         return ScheduledRequest(
             request_id=req.request_id,
             group_id=req.group_id,
-            token_ids=_token_slice(req, start, end) + s.drafts,
+            token_ids=req.token_slice(start, end) + s.drafts,
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
             sample=sample,
@@ -467,7 +467,7 @@ class Scheduler:
         for sample in run:
             emitted.append(sample)
             req.output_token_ids.append(sample.token_id)
-            reason = self._stop_reason(req, sample.token_id)
+            reason = req.stop_reason(sample.token_id)
             if reason is not None:
                 self._finish(req, reason)
                 break
@@ -475,23 +475,10 @@ class Scheduler:
 
     def _append_token(self, req: Request, sample) -> RequestUpdate:
         req.output_token_ids.append(sample.token_id)
-        reason = self._stop_reason(req, sample.token_id)
+        reason = req.stop_reason(sample.token_id)
         if reason is not None:
             self._finish(req, reason)
         return RequestUpdate(req.request_id, req.group_id, req.index, [sample], reason)
-
-    @staticmethod
-    def _stop_reason(req: Request, token_id: int) -> FinishReason | None:
-        params = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in req.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP
-        if num_out >= params.max_tokens or req.num_tokens >= req.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
@@ -518,14 +505,3 @@ class Scheduler:
     def _insert_running(self, req: Request) -> None:
         keys = [self._priority(r) for r in self.running]
         self.running.insert(bisect.bisect(keys, self._priority(req)), req)
-
-
-def _token_slice(req: Request, start: int, end: int) -> list[int]:
-    """req.all_token_ids[start:end] without concatenating the whole sequence
-    (a decode step needs one token of a possibly long list)."""
-    prompt, n = req.prompt_token_ids, req.num_prompt_tokens
-    if start >= n:
-        return req.output_token_ids[start - n:end - n]
-    if end <= n:
-        return prompt[start:end]
-    return prompt[start:] + req.output_token_ids[:end - n]
