@@ -57,7 +57,8 @@ class SchedulerConfig:
     # The cap shortens the step in flight; this drops it, while it is in its
     # first half: its work is done again in a later step, so a premium
     # arrival costs standard work at most half a step, and its own wait
-    # falls from up to a step to a layer. Only engines told of premium
+    # falls from up to a step to a layer (half a step when it comes past
+    # the middle). Only engines told of premium
     # arrivals drop steps (the worker, AsyncEngine; not the offline LLM),
     # and never two standard steps in a row.
     premium_interrupts_steps: bool = setting(

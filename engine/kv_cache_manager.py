@@ -279,10 +279,7 @@ class KVCacheManager:
         if state is None:
             return
         if not isinstance(request, str):
-            computed = request.num_computed_tokens
-            for i in state.pending_hashed:
-                if (i + 1) * self.block_size > computed:
-                    self.block_pool.unregister(state.block_table[i])
+            self._unhash_uncomputed(state, request.num_computed_tokens)
         self.block_pool.free(reversed(state.block_table))
 
     def fresh_hashed_blocks(self, req: Request) -> list[int]:
@@ -298,12 +295,18 @@ class KVCacheManager:
         state = self._requests.get(req.request_id)
         if state is None:
             return
-        keep = req.num_computed_tokens // self.block_size
+        keep = self._unhash_uncomputed(state, req.num_computed_tokens)
+        state.pending_hashed = [i for i in state.pending_hashed if i < keep]
+        del state.block_hashes[keep:]
+
+    def _unhash_uncomputed(self, state: _RequestBlocks, num_computed: int) -> int:
+        """Unregister the hashes the latest allocation gave blocks not fully
+        below `num_computed`; returns how many blocks are fully below it."""
+        keep = num_computed // self.block_size
         for i in state.pending_hashed:
             if i >= keep:
                 self.block_pool.unregister(state.block_table[i])
-        state.pending_hashed = [i for i in state.pending_hashed if i < keep]
-        del state.block_hashes[keep:]
+        return keep
 
     def reset_prefix_cache(self) -> bool:
         """Drop the hash of every free block, so no later request hits them.

@@ -199,6 +199,8 @@ class Scheduler:
         standard = any(s.request.tier is Tier.STANDARD for s in slices)
         if not self.tier_steps.interruptible(self._step_id, premium_prefill, standard):
             return False
+        if not plan.prefix_hits:
+            return True
         # A request admitted on blocks that this very step fills would keep
         # them as computed if the step were dropped.
         fresh = {b for s in slices for b in self.kv.fresh_hashed_blocks(s.request)}
