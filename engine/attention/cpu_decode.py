@@ -4,16 +4,17 @@ Decode rows (query_len 1) dominate attention time in a busy CPU engine: each
 reads its whole context's K and V, and in plain torch that means gathering
 the blocks into padded buckets, then running SDPA with a query of one row,
 where GEMM-shaped kernels run at a few GB/s. This kernel reads the blocks in
-place, through the block table, once per step and layer
-(engine/csrc/cpu_decode.cpp):
+place, through the block table, once per step and layer, in one pass per
+sequence (engine/csrc/cpu_decode.cpp): the scores of 16 positions at a time,
+an online softmax (a running max and sum per head, as in flash-decoding),
+and the weighted V rows, so no score matrix is written. A sequence past 512
+positions is split into spans that run on both cores and are merged.
 
-  scores  [n, num_heads, width]  scale * q . k for every context position,
-          -inf past the sequence's length (C++, one thread per sequence);
-  probs   softmax over the last dim (torch's vectorized softmax);
-  out     sum_j probs[j] * v_j, written to the query's token rows (C++).
-
-Numerics: float32 accumulation throughout (bfloat16 K/V are widened on
-load); results match SDPA to float32 rounding, not bit for bit.
+Numerics: float32 accumulation throughout. bfloat16 K/V are multiplied in
+bfloat16 pairs where the CPU has AVX512-BF16 (exact products, float32 sums),
+and the softmax weights are rounded to bfloat16 before their product with V,
+as torch's own bfloat16 attention does; float32 runs in float32. Results
+match SDPA to rounding, not bit for bit.
 
 The torch twin is `TorchAttentionBackend`'s bucketed SDPA path, which the
 backend falls back to where this kernel cannot be built (no C++ compiler) or
@@ -32,10 +33,11 @@ import native
 ENV_SWITCH = "LORAGW_CPU_DECODE_KERNEL"
 _DTYPES = (torch.float32, torch.bfloat16)
 # Where idle threads sleep (native/__init__.py), a call over fewer context
-# positions than this stays on one thread: on 2 cores under
-# OMP_WAIT_POLICY=PASSIVE, 4 sequences of 450 positions took 138 us on one
-# thread and 271 us on two, 16 took 591 and 692, 48 took 4.7 ms and 2.4 ms.
-PARALLEL_POSITIONS_WHEN_THREADS_SLEEP = 8192
+# positions than this stays on one thread. On 2 cores of an AMD EPYC under
+# OMP_WAIT_POLICY=PASSIVE, per layer, K/V in DRAM: 2 bfloat16 sequences of
+# 500 positions took 76 us on one thread and 86 us on two, 4 of 300 took 99
+# on either, 4 of 500 took 172 and 145; float32 gains on two from ~1,000.
+PARALLEL_POSITIONS_WHEN_THREADS_SLEEP = 1024
 SOURCE = Path(__file__).parents[1] / "csrc" / "cpu_decode.cpp"
 
 
@@ -67,7 +69,6 @@ def paged_decode_attention(
     seq_ids: torch.Tensor,  # [n] int64: its row in block_tables and seq_lens
     block_tables: torch.Tensor,  # [B, max_blocks] int32, rows contiguous
     seq_lens: torch.Tensor,  # [B] int32, context length including the new token
-    width: int,  # >= the longest seq_len among the n sequences
     scale: float,
     parallel_positions: int,  # native.serial_below(PARALLEL_POSITIONS_WHEN_THREADS_SLEEP)
 ) -> None:
@@ -80,8 +81,5 @@ def paged_decode_attention(
     assert rows.dtype == seq_ids.dtype == torch.int64 and rows.shape == seq_ids.shape
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
     assert supports(query, k_cache)
-    n = rows.shape[0]
-    scores = torch.empty(n, query.shape[1], width, dtype=torch.float32)
-    kernel.decode_scores(scores, query, k_cache, rows, seq_ids, block_tables, seq_lens, scale, parallel_positions)
-    probs = torch.softmax(scores, dim=-1)
-    kernel.decode_values(out, probs, v_cache, rows, seq_ids, block_tables, seq_lens, parallel_positions)
+    kernel.decode_attention(out, query, k_cache, v_cache, rows, seq_ids, block_tables, seq_lens, scale,
+                            parallel_positions)

@@ -53,7 +53,6 @@ class _StepPlan:
     decode_seqs: list[int]  # batch indices of the decode sequences
     decode_rows: torch.Tensor  # [n] int64: their token rows in the flat batch
     decode_seq_ids: torch.Tensor  # [n] int64: decode_seqs as a tensor
-    decode_width: int  # the longest decode seq_len
     decode_buckets: list[_DecodeBucket] | None  # the torch path's plan, built on first use
     prefill: list[_PrefillChunk]
 
@@ -111,7 +110,6 @@ class TorchAttentionBackend(AttentionBackend):
             decode_seqs=decode_seqs,
             decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
             decode_seq_ids=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
-            decode_width=max((meta.seq_lens_host[i] for i in decode_seqs), default=0),
             decode_buckets=None,
             prefill=prefill,
         )
@@ -195,7 +193,7 @@ class TorchAttentionBackend(AttentionBackend):
             if kernel is not None:
                 cpu_decode.paged_decode_attention(
                     kernel, out, query, k_cache, v_cache, plan.decode_rows, plan.decode_seq_ids,
-                    meta.block_tables, meta.seq_lens, plan.decode_width, scale, self._decode_parallel_positions)
+                    meta.block_tables, meta.seq_lens, scale, self._decode_parallel_positions)
             else:
                 self._decode_with_buckets(out, query, k_cache, v_cache, meta, scale)
         self._prefill(out, query, key, value, k_cache, v_cache, plan.prefill, scale)

@@ -1,6 +1,21 @@
-// Paged decode attention: the scores and the weighted sum of values of each
-// decode row over its whole context, read through the block table. The
-// softmax between them is torch's; engine/attention/cpu_decode.py calls both.
+// Paged decode attention: each decode row's attention over its whole
+// context, read through the block table, in one pass (an online softmax, as
+// in flash-decoding): no score matrix is written, and each K/V byte comes
+// from memory once.
+//
+// The work is cut into items of one sequence; a sequence longer than kSpan
+// positions is split into spans, whose partial results (running max, sum,
+// weighted values) are merged at the end, so one long sequence still keeps
+// both cores busy. Threads take items longest first from a shared counter,
+// since context lengths in a batch vary.
+//
+// Within an item, positions go 16 at a time (a tile; with 16-position blocks
+// that is one block), whole K/V rows (every KV head) at once, so memory is
+// read in contiguous runs: per KV head, the scores of its query heads on the
+// tile, then the tile's V rows into each one's accumulator.
+#include <immintrin.h>
+
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -10,7 +25,51 @@ namespace {
 
 constexpr int kMaxChunks = 16;  // head_dim <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head
-constexpr int64_t kPrefetch = 2 * kLanes;  // positions ahead to prefetch
+constexpr int64_t kSpan = 512;  // positions per item, a multiple of kLanes
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp of each lane, to within ~2 float32 ulps: 2^n * e^r with |r| <= ln2/2
+// and a degree-6 polynomial for e^r. Inputs are clamped to [-87.3, 88]
+// (below, ~1e-38 rather than 0: callers zero the lanes they masked).
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 lo = x < -87.3f ? f32x16{} - 87.3f : x;
+  x = lo > 88.0f ? f32x16{} + 88.0f : lo;
+  // Rounds x * log2(e) to the nearest integer: adding 1.5 * 2^23 leaves it
+  // in the low mantissa bits.
+  const f32x16 shifter = f32x16{} + 12582912.0f;
+  const f32x16 t = x * 1.44269504088896341f + shifter;
+  const f32x16 n = t - shifter;
+  f32x16 r = x - n * 0.693359375f;  // ln 2 in two parts: the first is exact in float
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const i32x16 scale_bits = (bits - 0x4B400000) << 23;  // n as an exponent
+  i32x16 pbits;
+  std::memcpy(&pbits, &p, sizeof pbits);
+  pbits += scale_bits;
+  std::memcpy(&p, &pbits, sizeof p);
+  return p;
+}
+
+// The largest lane: a tree of four shuffles, not a chain of 15 compares.
+inline float hmax(f32x16 v) {
+  const i32x16 swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const i32x16 swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const i32x16 swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const i32x16 swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  for (const i32x16& swap : {swap8, swap4, swap2, swap1}) {
+    const f32x16 w = __builtin_shuffle(v, swap);
+    v = v > w ? v : w;
+  }
+  return v[0];
+}
 
 struct Seqs {  // the decode sequences of a step and where their context lives
   const int64_t* rows;     // [n] token row of each sequence in the flat batch
@@ -20,8 +79,8 @@ struct Seqs {  // the decode sequences of a step and where their context lives
   const int32_t* seq_lens;
   int64_t block_size, num_kv_heads, head_dim;
 
-  // The K or V rows (all KV heads) of positions j0 .. j0 + count of sequence
-  // s: one block lookup per block, no division per row.
+  // Pointers to the K or V rows (every KV head) of positions j0 .. j0 +
+  // count of sequence s: one block lookup per block, no division per row.
   template <typename T>
   void rows_at(const T* cache, int64_t s, int64_t j0, int64_t count, const T** rows) const {
     const int64_t row_elems = num_kv_heads * head_dim;
@@ -36,110 +95,302 @@ struct Seqs {  // the decode sequences of a step and where their context lives
       }
     }
   }
+};
 
-  // The rows of the chunk of (at most kLanes) positions from j0 of a
-  // sequence of `len`; returns how many. Also asks for the rows kPrefetch
-  // positions ahead: blocks sit anywhere in the cache, so the hardware
-  // prefetcher cannot guess them.
-  template <typename T>
-  int64_t chunk(const T* cache, int64_t s, int64_t j0, int64_t len, const T** rows) const {
-    const int64_t count = std::min<int64_t>(kLanes, len - j0);
-    rows_at(cache, s, j0, count, rows);
-    if (j0 + kPrefetch < len) {
-      const T* ahead[kLanes];
-      const int64_t n_ahead = std::min<int64_t>(kLanes, len - j0 - kPrefetch);
-      rows_at(cache, s, j0 + kPrefetch, n_ahead, ahead);
-      const int64_t row_bytes = num_kv_heads * head_dim * sizeof(T);
-      for (int64_t t = 0; t < n_ahead; ++t) {
-        const char* row = reinterpret_cast<const char*>(ahead[t]);
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-      }
-    }
-    return count;
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
+}
+
+struct Item {  // one sequence, or one span of a long one
+  int64_t i, begin, end;
+  int64_t partial;  // its first slot among the partial results, or -1: the whole context, written to out
+};
+
+// Per thread: every query head's query and running state. For head h, m is
+// the max score so far, l the sum of exp(score - m) (lane by lane, added up
+// at the end) and acc the exp-weighted sum of V rows. Where the CPU has
+// AVX512-BF16 and head_dim is a multiple of 32, the queries are also kept
+// as bfloat16 pairs for vdpbf16ps (exact products, float32 sums).
+struct Scratch {
+  std::vector<f32x16> q, acc, l;
+  std::vector<float> m;
+#if defined(__AVX512BF16__)
+  std::vector<__m512bh> qb;
+#endif
+  Scratch(int64_t num_heads, int64_t chunks)
+      : q(num_heads * chunks), acc(num_heads * chunks), l(num_heads), m(num_heads) {
+#if defined(__AVX512BF16__)
+    qb.resize(num_heads * chunks / 2);
+#endif
   }
 };
 
-// Both kernels walk a sequence's context in chunks of 16 positions and do
-// every head's work on a chunk before the next one: each K/V byte comes from
-// memory once, and the chunk (16 rows) stays in L1 across the heads.
-
 template <typename T>
-void scores_impl(float* scores, int64_t width, const T* query, int64_t q_stride0, int64_t q_stride1,
-                 const T* k_cache, const Seqs& seqs, int64_t n, int64_t num_heads, float scale, bool serial) {
-  const int64_t group = num_heads / seqs.num_kv_heads, chunks = seqs.head_dim / kLanes;
-  at::parallel_for(0, n, serial ? n : 1, [&](int64_t begin, int64_t end) {
-    f32x16 q[kMaxGroup * kMaxChunks], part[kLanes];
-    const T* rows[kLanes];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = seqs.seq_ids[i], len = seqs.seq_lens[s];
-      float* out = scores + i * num_heads * width;
-      for (int64_t j0 = 0; j0 < len; j0 += kLanes) {
-        const int64_t count = seqs.chunk(k_cache, s, j0, len, rows);
-        for (int64_t t = count; t < kLanes; ++t) part[t] = f32x16{};
-        for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const T* qp = query + seqs.rows[i] * q_stride0 + h * q_stride1;
-            f32x16* qh = q + g * chunks;
-            for (int64_t c = 0; c < chunks; ++c) qh[c] = load16(qp + c * kLanes) * scale;
-            for (int64_t t = 0; t < count; ++t) {
-              const T* kp = rows[t] + kv * seqs.head_dim;
-              f32x16 acc = qh[0] * load16(kp);
-              for (int64_t c = 1; c < chunks; ++c) acc += qh[c] * load16(kp + c * kLanes);
-              part[t] = acc;
-            }
-            f32x16 sums = sum_each(part);
-            float lanes[kLanes];
-            std::memcpy(lanes, &sums, sizeof lanes);
-            std::memcpy(out + h * width + j0, lanes, count * sizeof(float));
-          }
+constexpr bool kPairs() {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
+// q_h . k_t for the count rows of a tile (each pointing at head h's KV head),
+// lane t (lanes past count: 0).
+template <typename T, int CT>
+inline f32x16 tile_scores(const Scratch& sc, int64_t h, const T* const* rows, int64_t kv_offset, int64_t count,
+                          int64_t chunks) {
+  const int64_t C = CT ? CT : chunks;
+  f32x16 part[kLanes];
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs<T>()) {
+    if (C % 2 == 0) {
+      const __m512bh* qb = &sc.qb[h * C / 2];
+      for (int64_t t = 0; t < count; ++t) {
+        const T* kp = rows[t] + kv_offset;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C / 2; ++c)
+          acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kp + c * 2 * kLanes));
+        std::memcpy(&part[t], &acc, sizeof acc);
+      }
+      for (int64_t t = count; t < kLanes; ++t) part[t] = f32x16{};
+      return sum_each(part);
+    }
+  }
+#endif
+  const f32x16* q = &sc.q[h * C];
+  for (int64_t t = 0; t < count; ++t) {
+    const T* kp = rows[t] + kv_offset;
+    f32x16 acc = q[0] * load16(kp);
+    for (int64_t c = 1; c < C; ++c) acc += q[c] * load16(kp + c * kLanes);
+    part[t] = acc;
+  }
+  for (int64_t t = count; t < kLanes; ++t) part[t] = f32x16{};
+  return sum_each(part);
+}
+
+// acc_h += sum_t p_h[t] * v_t for the `group` query heads from `first`
+// (the heads of one KV head), over the count rows of a tile.
+template <typename T, int CT>
+inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kLanes],
+                        const T* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
+  const int64_t C = CT ? CT : chunks;
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs<T>()) {
+    if (C % 2 == 0) {
+      // vdpbf16ps on two positions at once: lane d of a pair vector holds
+      // dim d of both rows, and the weights go as a bfloat16 pair (p_t,
+      // p_t+1), rounded as torch's own bfloat16 attention rounds them
+      // before its product with V. An odd last row pairs with zeros.
+      alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
+      __m512i idx_lo, idx_hi;
+      {
+        alignas(64) uint16_t lo[32], hi[32];
+        for (int i = 0; i < 16; ++i) {
+          lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
+          hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
+        }
+        idx_lo = _mm512_load_si512(lo);
+        idx_hi = _mm512_load_si512(hi);
+      }
+      const int64_t pairs = (count + 1) / 2;
+      __m512bh w[kLanes / 2][kMaxChunks];
+      for (int64_t u = 0; u < pairs; ++u) {
+        const T* r0 = rows[2 * u] + kv_offset;
+        const void* r1 = 2 * u + 1 < count ? static_cast<const void*>(rows[2 * u + 1] + kv_offset) : zeros;
+        for (int64_t c = 0; c < C / 2; ++c) {
+          const __m512i a = _mm512_loadu_si512(r0 + c * 2 * kLanes);
+          const __m512i b = _mm512_loadu_si512(static_cast<const uint16_t*>(r1) + c * 2 * kLanes);
+          w[u][2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, idx_lo, b);
+          w[u][2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, idx_hi, b);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h)
-        for (int64_t j = len; j < width; ++j) out[h * width + j] = -std::numeric_limits<float>::infinity();
+      for (int64_t g = 0; g < group; ++g) {
+        alignas(32) uint32_t pp[kLanes / 2];
+        __m512 p;
+        std::memcpy(&p, probs[g], sizeof p);
+        const __m256bh pb = _mm512_cvtneps_pbh(p);
+        std::memcpy(pp, &pb, sizeof pp);
+        f32x16* state = &st.acc[(first + g) * C];
+        __m512 acc[kMaxChunks];
+        for (int64_t c = 0; c < C; ++c) std::memcpy(&acc[c], &state[c], sizeof acc[c]);
+        for (int64_t u = 0; u < pairs; ++u) {
+          const __m512bh weights = (__m512bh)_mm512_set1_epi32(pp[u]);
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], w[u][c], weights);
+        }
+        for (int64_t c = 0; c < C; ++c) std::memcpy(&state[c], &acc[c], sizeof acc[c]);
+      }
+      return;
     }
-  });
+  }
+#endif
+  alignas(64) float widened[kLanes][kMaxChunks * kLanes];  // a bfloat16 tile's rows, widened once
+  const float* vf[kLanes];
+  for (int64_t t = 0; t < count; ++t) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      for (int64_t c = 0; c < C; ++c) store16(widened[t] + c * kLanes, load16(rows[t] + kv_offset + c * kLanes));
+      vf[t] = widened[t];
+    } else {
+      vf[t] = rows[t] + kv_offset;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    f32x16 acc[kMaxChunks];
+    f32x16* state = &st.acc[(first + g) * C];
+    for (int64_t c = 0; c < C; ++c) acc[c] = state[c];
+    for (int64_t t = 0; t < count; ++t) {
+      const float pt = probs[g][t];
+      for (int64_t c = 0; c < C; ++c) acc[c] += pt * load16(vf[t] + c * kLanes);
+    }
+    for (int64_t c = 0; c < C; ++c) state[c] = acc[c];
+  }
+}
+
+template <typename T, int CT>
+void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride0, int64_t q_stride1,
+              const T* k_cache, const T* v_cache, int64_t num_heads, float scale, Scratch& st) {
+  const int64_t chunks = seqs.head_dim / kLanes, C = CT ? CT : chunks;
+  const int64_t group = num_heads / seqs.num_kv_heads;
+  const int64_t s = seqs.seq_ids[it.i];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const T* qp = query + seqs.rows[it.i] * q_stride0 + h * q_stride1;
+    for (int64_t c = 0; c < C; ++c) st.q[h * C + c] = load16(qp + c * kLanes);
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs<T>())
+      for (int64_t c = 0; c < C / 2; ++c) st.qb[h * C / 2 + c] = (__m512bh)_mm512_loadu_si512(qp + c * 2 * kLanes);
+#endif
+    st.m[h] = kNegInf;
+    st.l[h] = f32x16{};
+    for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] = f32x16{};
+  }
+  alignas(64) float probs[kMaxGroup][kLanes];
+  const T* krows[kLanes];
+  const T* vrows[kLanes];
+  const T* next_k[kLanes];
+  const T* next_v[kLanes];
+  const int64_t row_bytes = seqs.num_kv_heads * seqs.head_dim * sizeof(T);
+  i32x16 lane;
+  for (int x = 0; x < kLanes; ++x) lane[x] = x;
+  for (int64_t j0 = it.begin; j0 < it.end; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, it.end - j0);
+    seqs.rows_at(k_cache, s, j0, count, krows);
+    seqs.rows_at(v_cache, s, j0, count, vrows);
+    // Blocks sit anywhere in the cache, and each is only a few KiB, so the
+    // hardware prefetcher has little to go on: ask for the next tile's rows
+    // into L2 now, a third of them before each KV head's work so that the
+    // requests do not all queue at once. (Into L1, or two tiles ahead, was
+    // slower; without it the kernel read ~10 GB/s on a 2-core AMD EPYC
+    // whose cores stream 30: docs/engine.md.)
+    const int64_t next_count = std::min<int64_t>(kLanes, std::max<int64_t>(0, it.end - j0 - kLanes));
+    if (next_count) {
+      seqs.rows_at(k_cache, s, j0 + kLanes, next_count, next_k);
+      seqs.rows_at(v_cache, s, j0 + kLanes, next_count, next_v);
+    }
+    const auto valid = lane < static_cast<int32_t>(count);
+    for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
+      const int64_t kv_offset = kv * seqs.head_dim;
+      for (int64_t t = kv * next_count / seqs.num_kv_heads; t < (kv + 1) * next_count / seqs.num_kv_heads; ++t) {
+        prefetch_l2(next_k[t], row_bytes);
+        prefetch_l2(next_v[t], row_bytes);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        f32x16 sc = tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale;
+        sc = valid ? sc : f32x16{} + kNegInf;
+        const float m_new = std::max(st.m[h], hmax(sc));
+        if (m_new > st.m[h]) {
+          const float corr = st.m[h] == kNegInf ? 0.f : std::exp(st.m[h] - m_new);
+          st.l[h] *= corr;
+          for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] *= corr;
+          st.m[h] = m_new;
+        }
+        f32x16 p = exp16(sc - m_new);
+        p = valid ? p : f32x16{};
+        st.l[h] += p;
+        std::memcpy(probs[g], &p, sizeof p);
+      }
+      tile_values<T, CT>(st, kv * group, group, probs, vrows, kv_offset, count, C);
+    }
+  }
 }
 
 template <typename T>
-void values_impl(T* out, int64_t o_stride0, int64_t o_stride1, const float* probs, int64_t width,
-                 const T* v_cache, const Seqs& seqs, int64_t n, int64_t num_heads, bool serial) {
-  const int64_t group = num_heads / seqs.num_kv_heads, chunks = seqs.head_dim / kLanes;
-  const int64_t per_kv = group * chunks;
-  at::parallel_for(0, n, serial ? n : 1, [&](int64_t begin, int64_t end) {
-    std::vector<f32x16> acc_all(seqs.num_kv_heads * per_kv);
-    const T* rows[kLanes];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = seqs.seq_ids[i], len = seqs.seq_lens[s];
-      const float* p = probs + i * num_heads * width;
-      std::fill(acc_all.begin(), acc_all.end(), f32x16{});
-      for (int64_t j0 = 0; j0 < len; j0 += kLanes) {
-        const int64_t count = seqs.chunk(v_cache, s, j0, len, rows);
-        for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
-          f32x16 acc[kMaxGroup * kMaxChunks];
-          std::memcpy(acc, &acc_all[kv * per_kv], per_kv * sizeof(f32x16));
-          const float* pk = p + kv * group * width + j0;
-          for (int64_t t = 0; t < count; ++t) {
-            const T* vp = rows[t] + kv * seqs.head_dim;
-            for (int64_t c = 0; c < chunks; ++c) {
-              const f32x16 v = load16(vp + c * kLanes);
-              for (int64_t g = 0; g < group; ++g) acc[g * chunks + c] += pk[g * width + t] * v;
-            }
-          }
-          std::memcpy(&acc_all[kv * per_kv], acc, per_kv * sizeof(f32x16));
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        T* op = out + seqs.rows[i] * o_stride0 + h * o_stride1;
-        const f32x16* ah = &acc_all[h * chunks];  // kv * per_kv + g * chunks == h * chunks
-        for (int64_t c = 0; c < chunks; ++c) {
-          float lanes[kLanes];
-          std::memcpy(lanes, &ah[c], sizeof lanes);
-          for (int x = 0; x < kLanes; ++x) op[c * kLanes + x] = static_cast<T>(lanes[x]);
-        }
+void write_out(T* out, const f32x16* acc, float inv_l, int64_t chunks) {
+  for (int64_t c = 0; c < chunks; ++c) store16(out + c * kLanes, acc[c] * inv_l);
+}
+
+template <typename T, int CT>
+void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query, int64_t q_stride0,
+                    int64_t q_stride1, const T* k_cache, const T* v_cache, const Seqs& seqs, int64_t n,
+                    int64_t num_heads, float scale, bool serial) {
+  const int64_t chunks = seqs.head_dim / kLanes;
+  std::vector<Item> items;
+  int64_t num_partial = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = seqs.seq_lens[seqs.seq_ids[i]];
+    const int64_t spans = std::max<int64_t>(1, (len + kSpan - 1) / kSpan);
+    for (int64_t p = 0; p < spans; ++p) {
+      items.push_back({i, p * kSpan, std::min(len, (p + 1) * kSpan), spans > 1 ? num_partial : -1});
+      if (spans > 1) ++num_partial;
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
+  // Per partial item and query head: max, sum, then head_dim weighted values.
+  const int64_t slot = 2 + seqs.head_dim;
+  std::vector<float> partials(num_partial * num_heads * slot);
+
+  auto finish = [&](const Item& it, const Scratch& st) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const f32x16* acc = &st.acc[h * chunks];
+      if (it.partial < 0) {
+        write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / hsum<kLanes>(st.l[h]), chunks);
+      } else {
+        float* dst = &partials[(it.partial * num_heads + h) * slot];
+        dst[0] = st.m[h];
+        dst[1] = hsum<kLanes>(st.l[h]);
+        for (int64_t c = 0; c < chunks; ++c) store16(dst + 2 + c * kLanes, acc[c]);
       }
     }
-  });
+  };
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    Scratch st(num_heads, chunks);
+    for (int64_t w; (w = next.fetch_add(1)) < num_items;) {
+      run_item<T, CT>(items[w], seqs, query, q_stride0, q_stride1, k_cache, v_cache, num_heads, scale, st);
+      finish(items[w], st);
+    }
+  };
+  if (serial || num_items == 1) {
+    worker(0, 1);
+  } else {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+    at::parallel_for(0, threads, 1, worker);
+  }
+  if (num_partial == 0) return;
+  // Merge the spans of each split sequence: its spans took consecutive slots.
+  std::vector<const Item*> by_slot(num_partial);
+  for (const Item& it : items)
+    if (it.partial >= 0) by_slot[it.partial] = &it;
+  for (int64_t first = 0; first < num_partial;) {
+    int64_t last = first;
+    while (last + 1 < num_partial && by_slot[last + 1]->i == by_slot[first]->i) ++last;
+    const Item& it = *by_slot[first];
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float m = kNegInf;
+      for (int64_t p = first; p <= last; ++p) m = std::max(m, partials[(p * num_heads + h) * slot]);
+      f32x16 acc[kMaxChunks] = {};
+      float l = 0.f;
+      for (int64_t p = first; p <= last; ++p) {
+        const float* src = &partials[(p * num_heads + h) * slot];
+        const float w = std::exp(src[0] - m);
+        l += w * src[1];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += w * load16(src + 2 + c * kLanes);
+      }
+      write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / l, chunks);
+    }
+    first = last + 1;
+  }
 }
 
 Seqs make_seqs(const torch::Tensor& cache, const torch::Tensor& rows, const torch::Tensor& seq_ids,
@@ -156,41 +407,42 @@ bool few_positions(const Seqs& seqs, int64_t n, int64_t parallel_positions) {
   return total < parallel_positions;
 }
 
-}  // namespace
-
-void decode_scores(torch::Tensor scores, torch::Tensor query, torch::Tensor k_cache, torch::Tensor rows,
-                   torch::Tensor seq_ids, torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                   int64_t parallel_positions) {
-  const Seqs seqs = make_seqs(k_cache, rows, seq_ids, block_tables, seq_lens);
-  const int64_t n = rows.size(0), num_heads = query.size(1), width = scores.size(2);
-  const bool serial = few_positions(seqs, n, parallel_positions);
-  if (query.scalar_type() == at::kFloat) {
-    scores_impl<float>(scores.data_ptr<float>(), width, query.data_ptr<float>(), query.stride(0),
-                       query.stride(1), k_cache.data_ptr<float>(), seqs, n, num_heads, (float)scale, serial);
-  } else {
-    scores_impl<c10::BFloat16>(scores.data_ptr<float>(), width, query.data_ptr<c10::BFloat16>(),
-                               query.stride(0), query.stride(1), k_cache.data_ptr<c10::BFloat16>(),
-                               seqs, n, num_heads, (float)scale, serial);
+template <typename T>
+void dispatch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+              const torch::Tensor& v_cache, const Seqs& seqs, int64_t n, float scale, bool serial) {
+  auto run = [&](auto chunks_tag) {
+    constexpr int CT = decltype(chunks_tag)::value;
+    attention_impl<T, CT>(reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1),
+                          reinterpret_cast<const T*>(query.data_ptr()), query.stride(0), query.stride(1),
+                          reinterpret_cast<const T*>(k_cache.data_ptr()),
+                          reinterpret_cast<const T*>(v_cache.data_ptr()), seqs, n, query.size(1), scale, serial);
+  };
+  // The common head sizes get loops of fixed length (their accumulators in
+  // registers); others run the same code with a runtime length.
+  switch (seqs.head_dim / kLanes) {
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    default: run(std::integral_constant<int, 0>{}); break;
   }
 }
 
-void decode_values(torch::Tensor out, torch::Tensor probs, torch::Tensor v_cache, torch::Tensor rows,
-                   torch::Tensor seq_ids, torch::Tensor block_tables, torch::Tensor seq_lens,
-                   int64_t parallel_positions) {
-  const Seqs seqs = make_seqs(v_cache, rows, seq_ids, block_tables, seq_lens);
-  const int64_t n = rows.size(0), num_heads = out.size(1), width = probs.size(2);
+}  // namespace
+
+void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor rows, torch::Tensor seq_ids, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, double scale, int64_t parallel_positions) {
+  const Seqs seqs = make_seqs(k_cache, rows, seq_ids, block_tables, seq_lens);
+  const int64_t n = rows.size(0);
+  if (n == 0) return;
   const bool serial = few_positions(seqs, n, parallel_positions);
-  if (out.scalar_type() == at::kFloat) {
-    values_impl<float>(out.data_ptr<float>(), out.stride(0), out.stride(1), probs.data_ptr<float>(), width,
-                       v_cache.data_ptr<float>(), seqs, n, num_heads, serial);
+  if (query.scalar_type() == at::kFloat) {
+    dispatch<float>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
   } else {
-    values_impl<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), out.stride(0), out.stride(1),
-                               probs.data_ptr<float>(), width, v_cache.data_ptr<c10::BFloat16>(), seqs, n,
-                               num_heads, serial);
+    dispatch<c10::BFloat16>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_scores", torch::wrap_pybind_function(decode_scores), "decode_scores");
-  m.def("decode_values", torch::wrap_pybind_function(decode_values), "decode_values");
+  m.def("decode_attention", torch::wrap_pybind_function(decode_attention), "decode_attention");
 }

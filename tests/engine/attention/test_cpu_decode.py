@@ -1,5 +1,7 @@
 """The C++ CPU decode kernel and its torch twin (the bucketed SDPA path),
-each against the naive float64 reference, on skewed batches and real shapes."""
+each against the naive float64 reference, on skewed batches and real shapes.
+Contexts past the kernel's span (512 positions) are split and merged; odd
+tile lengths exercise the bfloat16 pair path's zero row."""
 
 import pytest
 import torch
@@ -10,8 +12,9 @@ from tests.engine.attention.test_backends import SCENARIOS, check_backend, make_
 from tests.native import built_or_skip
 
 DECODE_HEAVY = ["decode_varied_lengths", "mixed", "skew_1_long_7_short", "skew_7_long_1_short", "long_context"]
-# Decode rows over contexts past several 16-position chunks and blocks.
-LONG_DECODES = [(700, 1), (33, 1), (257, 1), (16, 1), (1, 1), (480, 64)]
+# Decode rows over contexts past several 16-position chunks and blocks, and
+# past one and two of the kernel's 512-position spans.
+LONG_DECODES = [(700, 1), (33, 1), (257, 1), (16, 1), (1, 1), (1100, 1), (480, 64)]
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +35,15 @@ def test_decode_paths_match_the_reference(kernel, path, scenario, dtype, block_s
     check_backend(_backend(path), case)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads", [(3, 3), (9, 3), (8, 2), (16, 1)], ids=["mha", "smollm", "gqa4", "mqa16"])
 @pytest.mark.parametrize("path", ["kernel", "twin"])
-def test_head_shapes(kernel, path, num_heads, num_kv_heads, head_dim):
+def test_head_shapes(kernel, path, num_heads, num_kv_heads, head_dim, dtype):
+    """head_dim 16 and 48 take the kernel's odd-chunk paths (no bfloat16 pairs)."""
     case = make_case(LONG_DECODES, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     block_size=16, seed=head_dim)
+                     block_size=16, dtype=dtype, seed=head_dim)
     check_backend(_backend(path), case)
 
 

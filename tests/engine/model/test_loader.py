@@ -186,6 +186,35 @@ def test_kv_cache_sizing_and_allocation():
     assert sum(k.nbytes + v.nbytes for k, v in caches) == 5 * per_block
 
 
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    flags, inside = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    assert flags is not None, "no mapping holds the tensor"
+    return flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                    reason="needs Linux's smaps and madvise(MADV_HUGEPAGE)")
+def test_cpu_kv_caches_are_advised_for_huge_pages():
+    """The advice is what the code controls; whether the kernel then backs
+    the range with 2 MiB pages depends on its THP settings and free memory."""
+    config = tiny_config(num_hidden_layers=2, num_key_value_heads=2, head_dim=32)
+    caches = allocate_kv_caches(config, num_blocks=300, block_size=16, dtype=torch.float32, device=CPU)
+    for k, v in caches:
+        assert "hg" in _vm_flags(k.data_ptr()) and "hg" in _vm_flags(v.data_ptr())
+        k[7, 3, 1, 5] = 2.5  # writable, and views index as a torch tensor would
+        assert k.sum().item() == 2.5 and not v.any()
+
+
 # ---- the bundled model's cache -----------------------------------------------
 
 
