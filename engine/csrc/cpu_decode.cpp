@@ -16,7 +16,6 @@
 #include <immintrin.h>
 
 #include <atomic>
-#include <cmath>
 #include <limits>
 
 #include "vector_helpers.h"
@@ -27,49 +26,6 @@ constexpr int kMaxChunks = 16;  // head_dim <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int64_t kSpan = 512;  // positions per item, a multiple of kLanes
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp of each lane, to within ~2 float32 ulps: 2^n * e^r with |r| <= ln2/2
-// and a degree-6 polynomial for e^r. Inputs are clamped to [-87.3, 88]
-// (below, ~1e-38 rather than 0: callers zero the lanes they masked).
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 lo = x < -87.3f ? f32x16{} - 87.3f : x;
-  x = lo > 88.0f ? f32x16{} + 88.0f : lo;
-  // Rounds x * log2(e) to the nearest integer: adding 1.5 * 2^23 leaves it
-  // in the low mantissa bits.
-  const f32x16 shifter = f32x16{} + 12582912.0f;
-  const f32x16 t = x * 1.44269504088896341f + shifter;
-  const f32x16 n = t - shifter;
-  f32x16 r = x - n * 0.693359375f;  // ln 2 in two parts: the first is exact in float
-  r = r - n * -2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  i32x16 bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  const i32x16 scale_bits = (bits - 0x4B400000) << 23;  // n as an exponent
-  i32x16 pbits;
-  std::memcpy(&pbits, &p, sizeof pbits);
-  pbits += scale_bits;
-  std::memcpy(&p, &pbits, sizeof p);
-  return p;
-}
-
-// The largest lane: a tree of four shuffles, not a chain of 15 compares.
-inline float hmax(f32x16 v) {
-  const i32x16 swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const i32x16 swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const i32x16 swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const i32x16 swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  for (const i32x16& swap : {swap8, swap4, swap2, swap1}) {
-    const f32x16 w = __builtin_shuffle(v, swap);
-    v = v > w ? v : w;
-  }
-  return v[0];
-}
 
 struct Seqs {  // the decode sequences of a step and where their context lives
   const int64_t* rows;     // [n] token row of each sequence in the flat batch
@@ -168,6 +124,57 @@ inline f32x16 tile_scores(const Scratch& sc, int64_t h, const T* const* rows, in
   return sum_each(part);
 }
 
+#if defined(__AVX512BF16__)
+// tile_values for bfloat16 on AVX512-BF16, head_dim a multiple of 32:
+// vdpbf16ps on two positions at once. Lane d of a pair vector holds dim d of
+// both rows, and the weights go as a bfloat16 pair (p_t, p_t+1), rounded as
+// torch's own bfloat16 attention rounds them before its product with V. An
+// odd last row pairs with zeros.
+template <int CT>
+inline void pair_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kLanes],
+                        const c10::BFloat16* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
+  const int64_t C = CT ? CT : chunks;
+  alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
+  __m512i idx_lo, idx_hi;
+  {
+    alignas(64) uint16_t lo[32], hi[32];
+    for (int i = 0; i < 16; ++i) {
+      lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
+      hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
+    }
+    idx_lo = _mm512_load_si512(lo);
+    idx_hi = _mm512_load_si512(hi);
+  }
+  const int64_t pairs = (count + 1) / 2;
+  __m512bh w[kLanes / 2][kMaxChunks];
+  for (int64_t u = 0; u < pairs; ++u) {
+    const c10::BFloat16* r0 = rows[2 * u] + kv_offset;
+    const void* r1 = 2 * u + 1 < count ? static_cast<const void*>(rows[2 * u + 1] + kv_offset) : zeros;
+    for (int64_t c = 0; c < C / 2; ++c) {
+      const __m512i a = _mm512_loadu_si512(r0 + c * 2 * kLanes);
+      const __m512i b = _mm512_loadu_si512(static_cast<const uint16_t*>(r1) + c * 2 * kLanes);
+      w[u][2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, idx_lo, b);
+      w[u][2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, idx_hi, b);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(32) uint32_t pp[kLanes / 2];
+    __m512 p;
+    std::memcpy(&p, probs[g], sizeof p);
+    const __m256bh pb = _mm512_cvtneps_pbh(p);
+    std::memcpy(pp, &pb, sizeof pp);
+    f32x16* state = &st.acc[(first + g) * C];
+    __m512 acc[kMaxChunks];
+    for (int64_t c = 0; c < C; ++c) std::memcpy(&acc[c], &state[c], sizeof acc[c]);
+    for (int64_t u = 0; u < pairs; ++u) {
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(pp[u]);
+      for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], w[u][c], weights);
+    }
+    for (int64_t c = 0; c < C; ++c) std::memcpy(&state[c], &acc[c], sizeof acc[c]);
+  }
+}
+#endif
+
 // acc_h += sum_t p_h[t] * v_t for the `group` query heads from `first`
 // (the heads of one KV head), over the count rows of a tile.
 template <typename T, int CT>
@@ -176,51 +183,7 @@ inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (
   const int64_t C = CT ? CT : chunks;
 #if defined(__AVX512BF16__)
   if constexpr (kPairs<T>()) {
-    if (C % 2 == 0) {
-      // vdpbf16ps on two positions at once: lane d of a pair vector holds
-      // dim d of both rows, and the weights go as a bfloat16 pair (p_t,
-      // p_t+1), rounded as torch's own bfloat16 attention rounds them
-      // before its product with V. An odd last row pairs with zeros.
-      alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
-      __m512i idx_lo, idx_hi;
-      {
-        alignas(64) uint16_t lo[32], hi[32];
-        for (int i = 0; i < 16; ++i) {
-          lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
-          hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
-        }
-        idx_lo = _mm512_load_si512(lo);
-        idx_hi = _mm512_load_si512(hi);
-      }
-      const int64_t pairs = (count + 1) / 2;
-      __m512bh w[kLanes / 2][kMaxChunks];
-      for (int64_t u = 0; u < pairs; ++u) {
-        const T* r0 = rows[2 * u] + kv_offset;
-        const void* r1 = 2 * u + 1 < count ? static_cast<const void*>(rows[2 * u + 1] + kv_offset) : zeros;
-        for (int64_t c = 0; c < C / 2; ++c) {
-          const __m512i a = _mm512_loadu_si512(r0 + c * 2 * kLanes);
-          const __m512i b = _mm512_loadu_si512(static_cast<const uint16_t*>(r1) + c * 2 * kLanes);
-          w[u][2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, idx_lo, b);
-          w[u][2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, idx_hi, b);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        alignas(32) uint32_t pp[kLanes / 2];
-        __m512 p;
-        std::memcpy(&p, probs[g], sizeof p);
-        const __m256bh pb = _mm512_cvtneps_pbh(p);
-        std::memcpy(pp, &pb, sizeof pp);
-        f32x16* state = &st.acc[(first + g) * C];
-        __m512 acc[kMaxChunks];
-        for (int64_t c = 0; c < C; ++c) std::memcpy(&acc[c], &state[c], sizeof acc[c]);
-        for (int64_t u = 0; u < pairs; ++u) {
-          const __m512bh weights = (__m512bh)_mm512_set1_epi32(pp[u]);
-          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], w[u][c], weights);
-        }
-        for (int64_t c = 0; c < C; ++c) std::memcpy(&state[c], &acc[c], sizeof acc[c]);
-      }
-      return;
-    }
+    if (C % 2 == 0) return pair_values<CT>(st, first, group, probs, rows, kv_offset, count, C);
   }
 #endif
   alignas(64) float widened[kLanes][kMaxChunks * kLanes];  // a bfloat16 tile's rows, widened once
@@ -243,6 +206,27 @@ inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (
     }
     for (int64_t c = 0; c < C; ++c) state[c] = acc[c];
   }
+}
+
+// Head h's online softmax over one tile of scores (lanes not `valid`
+// left out): raises its running max if the tile's is higher, rescaling the
+// sum and the weighted values so far, and returns the tile's weights
+// exp(score - max), added to the sum.
+template <int CT>
+inline f32x16 softmax_step(Scratch& st, int64_t h, f32x16 scores, i32x16 valid, int64_t chunks) {
+  const int64_t C = CT ? CT : chunks;
+  scores = valid ? scores : f32x16{} + kNegInf;
+  const float m_new = std::max(st.m[h], hmax(scores));
+  if (m_new > st.m[h]) {
+    const float corr = st.m[h] == kNegInf ? 0.f : std::exp(st.m[h] - m_new);
+    st.l[h] *= corr;
+    for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] *= corr;
+    st.m[h] = m_new;
+  }
+  f32x16 p = exp16(scores - m_new);
+  p = valid ? p : f32x16{};
+  st.l[h] += p;
+  return p;
 }
 
 template <typename T, int CT>
@@ -285,7 +269,7 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
       seqs.rows_at(k_cache, s, j0 + kLanes, next_count, next_k);
       seqs.rows_at(v_cache, s, j0 + kLanes, next_count, next_v);
     }
-    const auto valid = lane < static_cast<int32_t>(count);
+    const i32x16 valid = lane < static_cast<int32_t>(count);
     for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
       const int64_t kv_offset = kv * seqs.head_dim;
       for (int64_t t = kv * next_count / seqs.num_kv_heads; t < (kv + 1) * next_count / seqs.num_kv_heads; ++t) {
@@ -294,18 +278,8 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
       }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
-        f32x16 sc = tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale;
-        sc = valid ? sc : f32x16{} + kNegInf;
-        const float m_new = std::max(st.m[h], hmax(sc));
-        if (m_new > st.m[h]) {
-          const float corr = st.m[h] == kNegInf ? 0.f : std::exp(st.m[h] - m_new);
-          st.l[h] *= corr;
-          for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] *= corr;
-          st.m[h] = m_new;
-        }
-        f32x16 p = exp16(sc - m_new);
-        p = valid ? p : f32x16{};
-        st.l[h] += p;
+        const f32x16 p = softmax_step<CT>(st, h, tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale,
+                                          valid, C);
         std::memcpy(probs[g], &p, sizeof p);
       }
       tile_values<T, CT>(st, kv * group, group, probs, vrows, kv_offset, count, C);
@@ -316,6 +290,37 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
 template <typename T>
 void write_out(T* out, const f32x16* acc, float inv_l, int64_t chunks) {
   for (int64_t c = 0; c < chunks; ++c) store16(out + c * kLanes, acc[c] * inv_l);
+}
+
+// Per partial item and query head, `partials` holds the span's max, its
+// sum, then head_dim weighted values. The spans of one sequence took
+// consecutive slots: rescale each to the largest max, add, and normalize.
+template <typename T>
+void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector<Item>& items,
+                 const std::vector<float>& partials, const Seqs& seqs, int64_t num_heads, int64_t num_partial) {
+  const int64_t chunks = seqs.head_dim / kLanes, slot = 2 + seqs.head_dim;
+  std::vector<const Item*> by_slot(num_partial);
+  for (const Item& it : items)
+    if (it.partial >= 0) by_slot[it.partial] = &it;
+  for (int64_t first = 0; first < num_partial;) {
+    int64_t last = first;
+    while (last + 1 < num_partial && by_slot[last + 1]->i == by_slot[first]->i) ++last;
+    const Item& it = *by_slot[first];
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float m = kNegInf;
+      for (int64_t p = first; p <= last; ++p) m = std::max(m, partials[(p * num_heads + h) * slot]);
+      f32x16 acc[kMaxChunks] = {};
+      float l = 0.f;
+      for (int64_t p = first; p <= last; ++p) {
+        const float* src = &partials[(p * num_heads + h) * slot];
+        const float w = std::exp(src[0] - m);
+        l += w * src[1];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += w * load16(src + 2 + c * kLanes);
+      }
+      write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / l, chunks);
+    }
+    first = last + 1;
+  }
 }
 
 template <typename T, int CT>
@@ -335,7 +340,7 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
-  // Per partial item and query head: max, sum, then head_dim weighted values.
+  // Per partial item and query head: max, sum, then head_dim weighted values (merge_spans).
   const int64_t slot = 2 + seqs.head_dim;
   std::vector<float> partials(num_partial * num_heads * slot);
 
@@ -367,30 +372,7 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, threads, 1, worker);
   }
-  if (num_partial == 0) return;
-  // Merge the spans of each split sequence: its spans took consecutive slots.
-  std::vector<const Item*> by_slot(num_partial);
-  for (const Item& it : items)
-    if (it.partial >= 0) by_slot[it.partial] = &it;
-  for (int64_t first = 0; first < num_partial;) {
-    int64_t last = first;
-    while (last + 1 < num_partial && by_slot[last + 1]->i == by_slot[first]->i) ++last;
-    const Item& it = *by_slot[first];
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float m = kNegInf;
-      for (int64_t p = first; p <= last; ++p) m = std::max(m, partials[(p * num_heads + h) * slot]);
-      f32x16 acc[kMaxChunks] = {};
-      float l = 0.f;
-      for (int64_t p = first; p <= last; ++p) {
-        const float* src = &partials[(p * num_heads + h) * slot];
-        const float w = std::exp(src[0] - m);
-        l += w * src[1];
-        for (int64_t c = 0; c < chunks; ++c) acc[c] += w * load16(src + 2 + c * kLanes);
-      }
-      write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / l, chunks);
-    }
-    first = last + 1;
-  }
+  if (num_partial) merge_spans(out, o_stride0, o_stride1, items, partials, seqs, num_heads, num_partial);
 }
 
 Seqs make_seqs(const torch::Tensor& cache, const torch::Tensor& rows, const torch::Tensor& seq_ids,

@@ -3,8 +3,8 @@
 // AVX-512, or pairs of AVX2 registers; 8-lane ones for kernels sized to an
 // AVX2 register), loads that widen bfloat16 and stores
 // that round to it, the sum of one vector's lanes, a horizontal sum of 16
-// vectors at once, and the
-// register-tiled dot products of a few rows against many (the LoRA shrink,
+// vectors at once, the exp and the largest of a vector's lanes (for
+// softmax), and the register-tiled dot products of a few rows against many (the LoRA shrink,
 // the skinny linear). native/__init__.py copies it beside every kernel's
 // source for the build.
 #pragma once
@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -95,6 +96,49 @@ inline f32x16 sum_each(f32x16* a) {
   for (int k = 0; k < 4; ++k) c[k] = pair_add(b[2 * k], b[2 * k + 1], lo2, hi2);
   for (int k = 0; k < 2; ++k) d[k] = pair_add(c[2 * k], c[2 * k + 1], lo3, hi3);
   return pair_add(d[0], d[1], lo4, hi4);
+}
+
+// exp of each lane, to within ~2 float32 ulps: 2^n * e^r with |r| <= ln2/2
+// and a degree-6 polynomial for e^r. Inputs are clamped to [-87.3, 88]
+// (below, ~1e-38 rather than 0: callers zero the lanes they masked).
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 lo = x < -87.3f ? f32x16{} - 87.3f : x;
+  x = lo > 88.0f ? f32x16{} + 88.0f : lo;
+  // Rounds x * log2(e) to the nearest integer: adding 1.5 * 2^23 leaves it
+  // in the low mantissa bits.
+  const f32x16 shifter = f32x16{} + 12582912.0f;
+  const f32x16 t = x * 1.44269504088896341f + shifter;
+  const f32x16 n = t - shifter;
+  f32x16 r = x - n * 0.693359375f;  // ln 2 in two parts: the first is exact in float
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const i32x16 scale_bits = (bits - 0x4B400000) << 23;  // n as an exponent
+  i32x16 pbits;
+  std::memcpy(&pbits, &p, sizeof pbits);
+  pbits += scale_bits;
+  std::memcpy(&p, &pbits, sizeof p);
+  return p;
+}
+
+// The largest lane: a tree of four shuffles, not a chain of 15 compares.
+inline float hmax(f32x16 v) {
+  const i32x16 swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const i32x16 swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const i32x16 swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const i32x16 swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  for (const i32x16& swap : {swap8, swap4, swap2, swap1}) {
+    const f32x16 w = __builtin_shuffle(v, swap);
+    v = v > w ? v : w;
+  }
+  return v[0];
 }
 
 // y[j * y_stride + k] = x_j . w_k for JB rows of x (x_stride apart) and the
