@@ -59,7 +59,7 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 
 struct Item {  // one sequence, or one span of a long one
   int64_t i, begin, end;
-  int64_t partial;  // its first slot among the partial results, or -1: the whole context, written to out
+  int64_t partial;  // its slot among the partial results, or -1: the whole context, written to out
 };
 
 // Per thread: every query head's query and running state. For head h, m is
@@ -134,17 +134,14 @@ template <int CT>
 inline void pair_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kLanes],
                         const c10::BFloat16* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
+  // vpermt2w picks word i of a (row t) or 32 + i of b (row t + 1): lane d of
+  // the low result is (a[d], b[d]) for d < 16, of the high one for 16 + d.
   alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
-  __m512i idx_lo, idx_hi;
-  {
-    alignas(64) uint16_t lo[32], hi[32];
-    for (int i = 0; i < 16; ++i) {
-      lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
-      hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
-    }
-    idx_lo = _mm512_load_si512(lo);
-    idx_hi = _mm512_load_si512(hi);
-  }
+  alignas(64) static const uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
   const int64_t pairs = (count + 1) / 2;
   __m512bh w[kLanes / 2][kMaxChunks];
   for (int64_t u = 0; u < pairs; ++u) {
@@ -293,19 +290,17 @@ void write_out(T* out, const f32x16* acc, float inv_l, int64_t chunks) {
 }
 
 // Per partial item and query head, `partials` holds the span's max, its
-// sum, then head_dim weighted values. The spans of one sequence took
-// consecutive slots: rescale each to the largest max, add, and normalize.
+// sum, then head_dim weighted values; slot_seq[p] is the sequence of slot
+// p. The spans of one sequence took consecutive slots: rescale each to the
+// largest max, add, and normalize.
 template <typename T>
-void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector<Item>& items,
-                 const std::vector<float>& partials, const Seqs& seqs, int64_t num_heads, int64_t num_partial) {
+void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector<int64_t>& slot_seq,
+                 const std::vector<float>& partials, const Seqs& seqs, int64_t num_heads) {
   const int64_t chunks = seqs.head_dim / kLanes, slot = 2 + seqs.head_dim;
-  std::vector<const Item*> by_slot(num_partial);
-  for (const Item& it : items)
-    if (it.partial >= 0) by_slot[it.partial] = &it;
+  const int64_t num_partial = static_cast<int64_t>(slot_seq.size());
   for (int64_t first = 0; first < num_partial;) {
     int64_t last = first;
-    while (last + 1 < num_partial && by_slot[last + 1]->i == by_slot[first]->i) ++last;
-    const Item& it = *by_slot[first];
+    while (last + 1 < num_partial && slot_seq[last + 1] == slot_seq[first]) ++last;
     for (int64_t h = 0; h < num_heads; ++h) {
       float m = kNegInf;
       for (int64_t p = first; p <= last; ++p) m = std::max(m, partials[(p * num_heads + h) * slot]);
@@ -317,7 +312,7 @@ void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector
         l += w * src[1];
         for (int64_t c = 0; c < chunks; ++c) acc[c] += w * load16(src + 2 + c * kLanes);
       }
-      write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / l, chunks);
+      write_out(out + seqs.rows[slot_seq[first]] * o_stride0 + h * o_stride1, acc, 1.f / l, chunks);
     }
     first = last + 1;
   }
@@ -329,20 +324,21 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
                     int64_t num_heads, float scale, bool serial) {
   const int64_t chunks = seqs.head_dim / kLanes;
   std::vector<Item> items;
-  int64_t num_partial = 0;
+  std::vector<int64_t> slot_seq;  // the sequence of each partial slot
   for (int64_t i = 0; i < n; ++i) {
     const int64_t len = seqs.seq_lens[seqs.seq_ids[i]];
     const int64_t spans = std::max<int64_t>(1, (len + kSpan - 1) / kSpan);
     for (int64_t p = 0; p < spans; ++p) {
-      items.push_back({i, p * kSpan, std::min(len, (p + 1) * kSpan), spans > 1 ? num_partial : -1});
-      if (spans > 1) ++num_partial;
+      const int64_t partial = spans > 1 ? static_cast<int64_t>(slot_seq.size()) : -1;
+      items.push_back({i, p * kSpan, std::min(len, (p + 1) * kSpan), partial});
+      if (spans > 1) slot_seq.push_back(i);
     }
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
   // Per partial item and query head: max, sum, then head_dim weighted values (merge_spans).
   const int64_t slot = 2 + seqs.head_dim;
-  std::vector<float> partials(num_partial * num_heads * slot);
+  std::vector<float> partials(slot_seq.size() * num_heads * slot);
 
   auto finish = [&](const Item& it, const Scratch& st) {
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -372,7 +368,7 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, threads, 1, worker);
   }
-  if (num_partial) merge_spans(out, o_stride0, o_stride1, items, partials, seqs, num_heads, num_partial);
+  if (!slot_seq.empty()) merge_spans(out, o_stride0, o_stride1, slot_seq, partials, seqs, num_heads);
 }
 
 Seqs make_seqs(const torch::Tensor& cache, const torch::Tensor& rows, const torch::Tensor& seq_ids,

@@ -308,7 +308,7 @@ def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     cache, in every layer: with 4 KiB pages that is a TLB miss every few KiB.
     Measured on a 2-core AMD EPYC with THP in "madvise" mode, 30 layers of
     64 decodes over a 4.3 GB cache: 48.0 against 45.9 ms a step in bfloat16,
-    85.0 against 83.3 in float32 (the kernel prefetches, which hides most of
+    85.0 against 83.3 in float32 (the decode kernel prefetches, which hides most of
     it; 79.6 against 68.1 ms before it did). Where the kernel offers no huge
     pages the advice is a no-op. The memory is touched now, as torch.zeros
     would, so the cache is committed at start and not page by page in the
