@@ -202,8 +202,9 @@ def _vm_flags(address: int) -> list[str]:
     return flags
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
-                    reason="needs Linux's smaps and madvise(MADV_HUGEPAGE)")
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+                    or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="needs Linux's smaps and a kernel with transparent huge pages")
 def test_cpu_kv_caches_are_advised_for_huge_pages():
     """The advice is what the code controls; whether the kernel then backs
     the range with 2 MiB pages depends on its THP settings and free memory."""
@@ -213,6 +214,20 @@ def test_cpu_kv_caches_are_advised_for_huge_pages():
         assert "hg" in _vm_flags(k.data_ptr()) and "hg" in _vm_flags(v.data_ptr())
         k[7, 3, 1, 5] = 2.5  # writable, and views index as a torch tensor would
         assert k.sum().item() == 2.5 and not v.any()
+
+
+def test_cpu_kv_caches_without_huge_pages(monkeypatch):
+    """A kernel built without THP refuses the advice with EINVAL, as it does
+    any advice it does not know (what stands in for it here): the cache is
+    still allocated, zeroed, in plain pages."""
+    import mmap
+
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096).madvise(mmap.MADV_HUGEPAGE)
+    config = tiny_config(num_hidden_layers=1, num_key_value_heads=2, head_dim=32)
+    (k, v), = allocate_kv_caches(config, num_blocks=300, block_size=16, dtype=torch.bfloat16, device=CPU)
+    assert k.shape == (300, 16, 2, 32) and not k.any() and not v.any() and k.data_ptr() != v.data_ptr()
 
 
 # ---- the bundled model's cache -----------------------------------------------
