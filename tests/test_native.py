@@ -12,7 +12,7 @@ import pytest
 
 import native
 from adapters.ops import cpu_ops
-from engine.attention import cpu_decode
+from engine.attention import cpu_decode, cpu_prefill
 from engine.model import cpu_linear
 
 ROOT = Path(__file__).parents[1]
@@ -35,7 +35,7 @@ def test_no_python_module_embeds_cpp():
     assert offenders == [], "C++ belongs in a csrc/ folder: " + ", ".join(offenders)
 
 
-@pytest.mark.parametrize("module", [cpu_linear, cpu_decode, cpu_ops], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [cpu_linear, cpu_decode, cpu_prefill, cpu_ops], ids=lambda m: m.__name__)
 def test_every_kernel_builds_from_a_csrc_file(module):
     source = module._KERNEL.source
     assert source.is_file()

@@ -21,7 +21,9 @@ def _torch_backend(device: torch.device) -> AttentionBackend:
 
     backend = TorchAttentionBackend()
     if device.type == "cpu":
-        backend.load_decode_kernel()  # build (or load the cached build) before serving, not mid-step
+        # Build (or load the cached builds) before serving, not mid-step.
+        backend.load_decode_kernel()
+        backend.load_prefill_kernel()
     return backend
 
 

@@ -11,7 +11,9 @@ Per step, `prepare` groups the batch once:
   K/V blocks through the block tables and runs one batched
   `scaled_dot_product_attention` with a key-padding mask (a bucket of one
   sequence, or of equal lengths, needs no mask);
-- prefill chunks run one SDPA each: over this step's own K/V with
+- prefill chunks go, all in one call, to the C++ kernel of `cpu_prefill`
+  (bfloat16 on CPUs with AVX512-BF16), which also reads the blocks in
+  place; otherwise they run one SDPA each: over this step's own K/V with
   `is_causal` when the chunk is the whole context, else over the gathered
   blocks with a bottom-right-aligned causal mask (the query is the last
   `query_len` of `seq_len` positions).
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import native
-from engine.attention import cpu_decode
+from engine.attention import cpu_decode, cpu_prefill
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -54,7 +56,11 @@ class _StepPlan:
     decode_rows: torch.Tensor  # [n] int64: their token rows in the flat batch
     decode_seq_ids: torch.Tensor  # [n] int64: decode_seqs as a tensor
     decode_buckets: list[_DecodeBucket] | None  # the torch path's plan, built on first use
-    prefill: list[_PrefillChunk]
+    prefill_seqs: list[int]  # batch indices of the prefill chunks
+    prefill_starts: torch.Tensor  # [n] int64: each chunk's first token row
+    prefill_lens: torch.Tensor  # [n] int64: its query length
+    prefill_seq_ids: torch.Tensor  # [n] int64: prefill_seqs as a tensor
+    prefill: list[_PrefillChunk] | None  # the SDPA path's plan, built on first use
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -67,69 +73,97 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, decode_pad_budget: int = 64, decode_bucket_tokens: int = 2048,
-                 decode_kernel: bool | None = None):
-        """`decode_kernel`: True requires the C++ decode kernel, False never
-        uses it (the pure-torch twin), None uses it where it builds."""
+                 decode_kernel: bool | None = None, prefill_kernel: bool | None = None):
+        """`decode_kernel`, `prefill_kernel`: True requires that C++ kernel,
+        False never uses it (the pure-torch twin), None uses it where it
+        builds and covers the tensors."""
         self.decode_pad_budget = decode_pad_budget
         self.decode_bucket_tokens = decode_bucket_tokens
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self._plan: _StepPlan | None = None
         self._plan_meta: AttentionMetadata | None = None
-        # (dtype, device, query and cache shapes) -> kernel or None: decided once, not per layer.
+        # (kind, dtype, device, query and cache shapes) -> kernel or None: decided once, not per layer.
         self._kernels: dict[tuple, object | None] = {}
         self._decode_parallel_positions = native.serial_below(cpu_decode.PARALLEL_POSITIONS_WHEN_THREADS_SLEEP)
+        self._prefill_parallel_tiles = native.serial_below(cpu_prefill.PARALLEL_TILES_WHEN_THREADS_SLEEP)
 
     def load_decode_kernel(self) -> bool:
         """Builds the C++ decode kernel now rather than in the first decode
         step (the engine builder calls this on CPU); whether it is usable."""
-        return self.decode_kernel is not False and self._load_kernel() is not None
+        return self.decode_kernel is not False and self._load_kernel("decode") is not None
 
-    def _load_kernel(self):
-        kernel = cpu_decode.load_kernel()
-        if kernel is None and self.decode_kernel:
-            raise RuntimeError("the CPU decode kernel could not be built (see the log)")
+    def load_prefill_kernel(self) -> bool:
+        """The same for the prefill kernel: whether this host can use it."""
+        return self.prefill_kernel is not False and self._load_kernel("prefill") is not None
+
+    def _kernel_setting(self, kind: str):
+        """The module of the `kind` ("decode" or "prefill") kernel, and whether it is wanted."""
+        return (cpu_decode, self.decode_kernel) if kind == "decode" else (cpu_prefill, self.prefill_kernel)
+
+    def _load_kernel(self, kind: str):
+        module, required = self._kernel_setting(kind)
+        kernel = module.load_kernel()
+        if kernel is None and required:
+            raise RuntimeError(f"the CPU {kind} kernel could not be built or this CPU lacks it (see the log)")
         return kernel
 
     # ---- per step --------------------------------------------------------
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        block_tables = meta.block_tables.to(torch.int64)
         decode_seqs: list[int] = []
-        starts: list[int] = []
-        prefill: list[_PrefillChunk] = []
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            starts.append(start)
+        prefill_seqs: list[int] = []
+        starts = [0, *itertools.accumulate(meta.query_lens_host)]
+        for i, q_len in enumerate(meta.query_lens_host):
             if q_len == 1:
                 decode_seqs.append(i)
             elif q_len > 1:
-                prefill.append(_plan_prefill(block_tables[i], start, q_len, seq_len, meta.block_size))
-            start += q_len
+                prefill_seqs.append(i)
         device = meta.block_tables.device
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         self._plan = _StepPlan(
             decode_seqs=decode_seqs,
-            decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
-            decode_seq_ids=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
+            decode_rows=as_tensor([starts[i] for i in decode_seqs]),
+            decode_seq_ids=as_tensor(decode_seqs),
             decode_buckets=None,
-            prefill=prefill,
+            prefill_seqs=prefill_seqs,
+            prefill_starts=as_tensor([starts[i] for i in prefill_seqs]),
+            prefill_lens=as_tensor([meta.query_lens_host[i] for i in prefill_seqs]),
+            prefill_seq_ids=as_tensor(prefill_seqs),
+            prefill=None,
         )
         self._plan_meta = meta
 
-    def _kernel_for(self, query: torch.Tensor, k_cache: torch.Tensor):
-        """The C++ decode kernel if decode rows of these tensors should use it, else None."""
-        key = (query.dtype, query.device, *query.shape[1:], *k_cache.shape[1:])
+    def _kernel_for(self, kind: str, query: torch.Tensor, k_cache: torch.Tensor):
+        """The C++ `kind` kernel if these tensors should use it, else None."""
+        key = (kind, query.dtype, query.device, *query.shape[1:], *k_cache.shape[1:])
         if key not in self._kernels:
-            self._kernels[key] = self._choose_kernel(query, k_cache)
+            self._kernels[key] = self._choose_kernel(kind, query, k_cache)
         return self._kernels[key]
 
-    def _choose_kernel(self, query: torch.Tensor, k_cache: torch.Tensor):
-        if self.decode_kernel is False:
+    def _choose_kernel(self, kind: str, query: torch.Tensor, k_cache: torch.Tensor):
+        module, wanted = self._kernel_setting(kind)
+        if wanted is False:
             return None
-        if not cpu_decode.supports(query, k_cache):
-            if self.decode_kernel:
-                raise ValueError(f"the CPU decode kernel does not support {query.dtype} on {query.device}")
+        if not module.supports(query, k_cache):
+            if wanted:
+                raise ValueError(f"the CPU {kind} kernel does not support {query.dtype} on {query.device}")
             return None
-        return self._load_kernel()
+        return self._load_kernel(kind)
+
+    def _prefill_chunks(self, meta: AttentionMetadata) -> list[_PrefillChunk]:
+        plan = self._plan
+        if plan.prefill is None:
+            block_tables = meta.block_tables.to(torch.int64)
+            starts = plan.prefill_starts.tolist()
+            plan.prefill = [
+                _plan_prefill(block_tables[i], start, meta.query_lens_host[i], meta.seq_lens_host[i], meta.block_size)
+                for i, start in zip(plan.prefill_seqs, starts, strict=True)
+            ]
+        return plan.prefill
 
     def _decode_buckets(self, meta: AttentionMetadata) -> list[_DecodeBucket]:
         plan = self._plan
@@ -189,14 +223,21 @@ class TorchAttentionBackend(AttentionBackend):
 
         out = torch.empty_like(query)
         if plan.decode_seqs:
-            kernel = self._kernel_for(query, k_cache)
+            kernel = self._kernel_for("decode", query, k_cache)
             if kernel is not None:
                 cpu_decode.paged_decode_attention(
                     kernel, out, query, k_cache, v_cache, plan.decode_rows, plan.decode_seq_ids,
                     meta.block_tables, meta.seq_lens, scale, self._decode_parallel_positions)
             else:
                 self._decode_with_buckets(out, query, k_cache, v_cache, meta, scale)
-        self._prefill(out, query, key, value, k_cache, v_cache, plan.prefill, scale)
+        if plan.prefill_seqs:
+            kernel = self._kernel_for("prefill", query, k_cache)
+            if kernel is not None:
+                cpu_prefill.paged_prefill_attention(
+                    kernel, out, query, k_cache, v_cache, plan.prefill_starts, plan.prefill_lens,
+                    plan.prefill_seq_ids, meta.block_tables, meta.seq_lens, scale, self._prefill_parallel_tiles)
+            else:
+                self._prefill(out, query, key, value, k_cache, v_cache, self._prefill_chunks(meta), scale)
         return out
 
     def _decode_with_buckets(self, out, query, k_cache, v_cache, meta, scale) -> None:

@@ -1,0 +1,139 @@
+"""The C++ CPU prefill kernel (bfloat16, AVX512-BF16) against the naive
+float64 reference: first chunks and chunks over a cached prefix, chunks
+that end mid-tile, borrowed prefix blocks, every head shape it builds, and
+stale NaNs in the cache past a chunk's end that must not leak in."""
+
+import pytest
+import torch
+
+from engine.attention import cpu_prefill
+from engine.attention.torch_backend import TorchAttentionBackend
+from tests.engine.attention.test_backends import SCENARIOS, check_backend, make_case
+from tests.native import built_or_skip
+
+PREFILL_HEAVY = ["prefill_no_prefix", "prefill_over_prefix", "mixed", "skew_7_long_1_short", "long_context"]
+# (seq_len, query_len): one-token-past-a-tile chunks, a chunk of 17 (two
+# query blocks, the second of one row), and long chunks over long prefixes.
+LONG_PREFILLS = [(17, 17), (40, 17), (300, 300), (530, 211), (16, 16), (33, 1), (95, 2), (700, 64)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return built_or_skip(cpu_prefill.load_kernel, "CPU prefill kernel (it needs AVX512-BF16)")
+
+
+def _kernel_backend() -> TorchAttentionBackend:
+    return TorchAttentionBackend(prefill_kernel=True)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("scenario", PREFILL_HEAVY)
+def test_scenarios_match_the_reference(kernel, scenario, block_size):
+    case = make_case(SCENARIOS[scenario], block_size=block_size, dtype=torch.bfloat16, head_dim=64,
+                     num_heads=6, num_kv_heads=2, seed=block_size)
+    check_backend(_kernel_backend(), case)
+
+
+@pytest.mark.parametrize("head_dim", cpu_prefill.HEAD_DIMS)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [(3, 3), (9, 3), (8, 2), (16, 1)], ids=["mha", "smollm", "gqa4", "mqa16"])
+def test_head_shapes(kernel, num_heads, num_kv_heads, head_dim):
+    seqs = LONG_PREFILLS if head_dim <= 64 else LONG_PREFILLS[:5]
+    case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=16, dtype=torch.bfloat16, seed=head_dim)
+    check_backend(_kernel_backend(), case)
+
+
+def test_shared_prefix_blocks(kernel):
+    """A chunk reads prefix blocks another sequence filled, one in this very step."""
+    case = make_case([(48, 48), (60, 12), (64, 40)], shared=((1, 0, 3), (2, 0, 1)), block_size=16,
+                     num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, seed=7)
+    check_backend(_kernel_backend(), case)
+
+
+def test_stale_nan_past_the_context_stays_out(kernel):
+    """Slots of a chunk's last block past its end hold whatever an earlier
+    sequence left there; the kernel reads them (a whole tile) but must weigh
+    them by exactly zero, even when they are NaN: the output is bit for bit
+    the one over finite garbage, which matches the reference."""
+    case = make_case([(21, 21), (40, 13), (7, 7)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                     dtype=torch.bfloat16, seed=8)
+    check_backend(_kernel_backend(), case)
+    written = torch.zeros(case.k_cache.shape[0] * 16, dtype=torch.bool)
+    for table, seq_len in zip(case.block_tables, case.meta.seq_lens_host, strict=True):
+        for p in range(seq_len):
+            written[table[p // 16] * 16 + p % 16] = True
+    outs = []
+    for poison in (False, True):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        if poison:
+            for cache in (k_cache, v_cache):
+                cache.view(-1, 3, 64)[~written] = float("nan")
+        outs.append(_kernel_backend().forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, 0.125))
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("parallel_tiles", [0, 10**9], ids=["parallel", "serial"])
+def test_calls_on_one_thread_or_both_match_the_reference(kernel, monkeypatch, parallel_tiles):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(cpu_prefill, "PARALLEL_TILES_WHEN_THREADS_SLEEP", parallel_tiles)
+    case = make_case(LONG_PREFILLS, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                     dtype=torch.bfloat16, seed=9)
+    check_backend(_kernel_backend(), case)
+
+
+def test_kernel_and_sdpa_agree_on_smollm_shapes(kernel):
+    """Kernel and the SDPA twin on the same bfloat16 batch: the same
+    rounding of the weights, so closer to each other than to float64."""
+    case = make_case(LONG_PREFILLS, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                     dtype=torch.bfloat16, seed=4)
+    outs = []
+    for backend in (_kernel_backend(), TorchAttentionBackend(prefill_kernel=False)):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        outs.append(backend.forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, 0.125))
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_non_contiguous_query_rows(kernel):
+    """The model hands over query as a view of its fused q/k projection."""
+    case = make_case(SCENARIOS["mixed"], num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=5)
+    fused = torch.cat([case.query, torch.zeros(case.query.shape[0], 2, 64, dtype=torch.bfloat16)], dim=1)
+    case.query = fused[:, :6]
+    assert not case.query.is_contiguous()
+    check_backend(_kernel_backend(), case)
+
+
+def test_what_it_does_not_cover_goes_to_sdpa():
+    """float32, head_dim 48 and blocks of 8 positions take the SDPA path,
+    and requiring the kernel for them is an error."""
+    cases = [
+        make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, seed=1),
+        make_case(SCENARIOS["prefill_over_prefix"], head_dim=48, dtype=torch.bfloat16, seed=2),
+        make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, block_size=8, dtype=torch.bfloat16, seed=3),
+    ]
+    for case in cases:
+        assert not cpu_prefill.supports(case.query, case.k_cache)
+        check_backend(TorchAttentionBackend(), case)
+        with pytest.raises(ValueError, match="does not support"):
+            TorchAttentionBackend(prefill_kernel=True).forward(
+                case.query, case.key, case.value, case.k_cache.clone(), case.v_cache.clone(), case.meta, 0.2)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_prefill.ENV_SWITCH, "0")
+    assert cpu_prefill.load_kernel() is None
+    backend = TorchAttentionBackend()
+    assert backend.load_prefill_kernel() is False
+    check_backend(backend, make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, dtype=torch.bfloat16, seed=3))
+    with pytest.raises(RuntimeError, match="could not be built or this CPU lacks it"):
+        TorchAttentionBackend(prefill_kernel=True).load_prefill_kernel()
+
+
+def test_the_registry_builds_the_kernel_before_the_first_step(monkeypatch):
+    from engine.attention import get_attention_backend
+
+    calls = []
+    monkeypatch.setattr(cpu_prefill, "load_kernel", lambda: calls.append(1))
+    get_attention_backend("torch", torch.device("cpu"))
+    assert calls == [1]
