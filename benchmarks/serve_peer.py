@@ -71,6 +71,8 @@ from machine import CpuMeter, load_average, machine_facts, write_json
 from peer_client import Request, closed_loop, latency_summary, probe_latency, summarize
 from profile_breakdown import parse, shares
 
+from engine.heap import freeze_startup_heap
+
 RESULTS = Path(__file__).parent / "results"
 CTX_PER_SLOT = 512
 LLAMA_THREADS = 2
@@ -254,6 +256,7 @@ def main() -> None:
     from engine.model.loader import load_tokenizer, resolve_model_dir
 
     workload = make_workload(args.num_requests, args.seed, load_tokenizer(resolve_model_dir(None)))
+    freeze_startup_heap()  # no full collection of the client's startup heap mid-run (engine/heap.py)
     result = {"benchmark": "serve_peer", "machine": machine_facts(), "load_before": load_average(),
               "workload": {"seed": args.seed, "duration_s": args.duration, "concurrency": args.concurrency,
                            "prompt_words": "20..180", "output_tokens": "geometric mean 60, cap 240, forced",

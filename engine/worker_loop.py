@@ -17,6 +17,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.errors import ValidationError
+from engine.heap import freeze_startup_heap
 from engine.request import Tier
 from engine.snapshot import StepCounter, take_snapshot
 from engine.usage_split import split_usage
@@ -107,7 +108,8 @@ class EngineLoop:
         self.info = WorkerInfo(model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
                                vocab_size=len(engine.tokenizer), device=str(engine.core.runner.device),
                                pid=os.getpid())
-        log.info("worker ready: %s on %s", engine.model_dir, self.info.device)
+        frozen = freeze_startup_heap()  # a worker process's own heap: engine/heap.py
+        log.info("worker ready: %s on %s (%d startup objects frozen)", engine.model_dir, self.info.device, frozen)
         return engine
 
     def _serve(self, engine, outbox, codec: Codec) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from engine.heap import freeze_startup_heap
 from gateway.app import Gateway, create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.demo_tenant import announce_demo_key, ensure_demo_tenant
@@ -134,6 +135,22 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
+        # Once the engine client is ready: the tokenizer and the modules
+        # that loading it imports are part of the startup heap, and they
+        # come after the lifespan, on the first worker's Hello. Never in a
+        # test process (engine/heap.py).
+        self.freeze_heap_when_ready = False
+        self._freeze: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.freeze_heap_when_ready and not self.should_exit:
+            self._freeze = asyncio.ensure_future(self._freeze_heap_when_ready())
+
+    async def _freeze_heap_when_ready(self) -> None:
+        while not self.gateway.engine.ready:
+            await asyncio.sleep(0.1)
+        log.info("%d startup objects frozen", freeze_startup_heap())
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -200,4 +217,5 @@ async def serve(config: GatewayConfig, *, log_level: str = "info") -> None:
     issued = await ensure_demo_tenant(config, gateway.store, gateway.wall_clock())
     if issued is not None:
         announce_demo_key(issued)
+    server.freeze_heap_when_ready = True
     await server.serve()

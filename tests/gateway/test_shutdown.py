@@ -76,6 +76,13 @@ def test_serve_shows_the_demo_key_on_stdout_only_and_metrics_on_their_own_port(s
     assert httpx.get(f"{url}/metrics", headers=admin).status_code == 200
     assert "loragw:num_requests_running" in httpx.get(f"{proc.metrics_url}/metrics").text
     assert httpx.get(f"{proc.metrics_url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 404
+    # The gateway, once ready, and its worker, once loaded, froze their
+    # startup heaps (engine/heap.py): one line each, with the count.
+    def both_frozen():
+        counts = re.findall(r"(\d+) startup objects frozen", err.read_text())
+        return counts if len(counts) == 2 else None
+
+    assert all(int(n) > 50_000 for n in wait_for(both_frozen, 10, "both processes' freeze"))
 
 
 def test_sigterm_drains_the_running_stream_refuses_new_requests_and_exits_0(served):
