@@ -135,10 +135,10 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
-        # Once the engine client is ready: the tokenizer and the modules
-        # that loading it imports are part of the startup heap, and they
-        # come after the lifespan, on the first worker's Hello. Never in a
-        # test process (engine/heap.py).
+        # Once the engine client is ready: the fleet loads the tokenizer and
+        # the adapter registry in a thread after the lifespan has started
+        # (gateway/workers/fleet.py), and what they import is part of the
+        # startup heap. Never in a test process (engine/heap.py).
         self.freeze_heap_when_ready = False
         self._freeze: asyncio.Task | None = None
 
