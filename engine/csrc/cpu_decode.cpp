@@ -25,6 +25,7 @@ namespace {
 constexpr int kMaxChunks = 16;  // head_dim <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int64_t kSpan = 512;  // positions per item, a multiple of kLanes
+constexpr int64_t kMinSpan = 64;  // ... and the fewest span_for cuts it to
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Seqs {  // the decode sequences of a step and where their context lives
@@ -318,19 +319,34 @@ void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector
   }
 }
 
+// Positions per item: kSpan, or less when there are fewer sequences than
+// threads, so that each thread gets a span (a single decoding sequence of a
+// few hundred positions ran on one core while the other waited), but no
+// shorter than kMinSpan, below which merging the spans costs more than it
+// saves.
+int64_t span_for(const Seqs& seqs, int64_t n, int64_t threads) {
+  if (n >= threads) return kSpan;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, seqs.seq_lens[seqs.seq_ids[i]]);
+  const int64_t per_seq = (threads + n - 1) / n;
+  const int64_t span = ((longest + per_seq - 1) / per_seq + kLanes - 1) / kLanes * kLanes;
+  return std::clamp(span, kMinSpan, kSpan);
+}
+
 template <typename T, int CT>
 void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query, int64_t q_stride0,
                     int64_t q_stride1, const T* k_cache, const T* v_cache, const Seqs& seqs, int64_t n,
                     int64_t num_heads, float scale, bool serial) {
   const int64_t chunks = seqs.head_dim / kLanes;
+  const int64_t span = span_for(seqs, n, serial ? 1 : at::get_num_threads());
   std::vector<Item> items;
   std::vector<int64_t> slot_seq;  // the sequence of each partial slot
   for (int64_t i = 0; i < n; ++i) {
     const int64_t len = seqs.seq_lens[seqs.seq_ids[i]];
-    const int64_t spans = std::max<int64_t>(1, (len + kSpan - 1) / kSpan);
+    const int64_t spans = std::max<int64_t>(1, (len + span - 1) / span);
     for (int64_t p = 0; p < spans; ++p) {
       const int64_t partial = spans > 1 ? static_cast<int64_t>(slot_seq.size()) : -1;
-      items.push_back({i, p * kSpan, std::min(len, (p + 1) * kSpan), partial});
+      items.push_back({i, p * span, std::min(len, (p + 1) * span), partial});
       if (spans > 1) slot_seq.push_back(i);
     }
   }

@@ -31,6 +31,11 @@ constexpr int kVec = 8;
 constexpr int kTileRowsX4 = 2;
 constexpr int kTileRowsX1 = 8;
 #endif
+// The blocked float32 path (f32_blocks below) is written for AVX2 and was
+// measured there only; an AVX-512 host keeps the per-vector loop.
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define LORAGW_BLOCKED_F32 1
+#endif
 typedef Lanes<kVec>::f32 fvec;
 typedef int8_t i8vec __attribute__((vector_size(kVec)));
 typedef uint8_t u8vec __attribute__((vector_size(kVec)));
@@ -109,6 +114,22 @@ struct Q41Rows {
     return widen(nibbles) * half_to_float(p[0]) + half_to_float(p[1]);
   }
   float finish(int64_t, float dot) const { return dot; }
+#ifdef LORAGW_BLOCKED_F32
+  // Block b of row n as float q in four registers; its d and m are the
+  // row's float16 pairs (`scales`), which the blocked float path applies
+  // per block (f32_blocks).
+  static constexpr int kScales = 2;
+  const c10::Half* scales(int64_t n) const { return dm + n * (k / kBlock) * 2; }
+  void f32_block(int64_t n, int64_t b, __m256* w) const {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (k / 2) + b * (kBlock / 2)));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i first = _mm_and_si128(packed, low), last = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(first, first)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(last));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(last, last)));
+  }
+#endif
 #ifdef __AVX512BF16__
   // Block b of row n as 32 bfloat16 lanes. d * q + m is rounded to float32
   // once per operation, without a fused multiply-add, as quant_linear.py's
@@ -167,6 +188,15 @@ struct Q80Rows {
     return widen(q + n * k + h) * half_to_float(d[n * (k / kBlock) + h / kBlock]);
   }
   float finish(int64_t, float dot) const { return dot; }
+#ifdef LORAGW_BLOCKED_F32
+  static constexpr int kScales = 1;  // d alone
+  const c10::Half* scales(int64_t n) const { return d + n * (k / kBlock); }
+  void f32_block(int64_t n, int64_t b, __m256* w) const {
+    const int8_t* p = q + n * k + b * kBlock;
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+  }
+#endif
 #ifdef __AVX512BF16__
   __m512bh bf16_block(int64_t n, int64_t b) const {
     const int8_t* p = q + n * k + b * kBlock;
@@ -207,6 +237,104 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
         y[jj * y_stride + k0 + kk] = static_cast<T>(rows.finish(r[kk], hsum<kVec>(acc[jj][kk])));
   }
 }
+
+#ifdef LORAGW_BLOCKED_F32
+// The blocked formats (Q4_1, Q8_0) with float32 activations on AVX2. The
+// loop above pays, for every 8 weights, two float16 conversions, a
+// multiply and an add before its FMA: compute-bound there, a one-row Q4_1
+// call took 60-85% of the time of MKL reading the float32 weights, 7x the
+// bytes (benchmarks/quant_linear.py; docs/engine.md, "Quantization"). Here a
+// block's 32 weights come out of one load as float q, each token row's
+// products with them are summed and scaled by the block's d once, and m,
+// which every weight of the block adds, is taken out of the sum:
+// x . (d q + m) = d (x . q) + m sum(x), with sum(x) over each block computed
+// once per call (`xsum`). Only float32 rounding differs from multiplying the
+// float weights, and each row's sums run in the same order whatever the row
+// count, so a verifying sequence scores a token as its one-row decode does.
+// `scales`: the float32 d (and m) of rows r0 .. r0 + nk, Rows::kScales a block.
+template <int JB, int KT, typename Rows>
+void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const Rows& rows, const float* scales,
+                      int64_t r0, int64_t nk, int64_t k_dim, float* y, int64_t y_stride) {
+  const int64_t blocks = k_dim / kBlock;
+  constexpr int kS = Rows::kScales;
+  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
+    int64_t r[KT];
+    const float* sc[KT];
+    for (int kk = 0; kk < KT; ++kk) {
+      r[kk] = r0 + std::min<int64_t>(k0 + kk, nk - 1);
+      sc[kk] = scales + (r[kk] - r0) * blocks * kS;
+    }
+    __m256 acc[JB][KT];
+    float off[JB][KT] = {};
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KT; ++kk) acc[jj][kk] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int kk = 0; kk < KT; ++kk) {
+        __m256 w[4];
+        rows.f32_block(r[kk], b, w);
+        const __m256 d = _mm256_broadcast_ss(sc[kk] + b * kS);
+        for (int jj = 0; jj < JB; ++jj) {
+          const float* xb = x + jj * x_stride + b * kBlock;
+          __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(xb), w[0]);
+          for (int i = 1; i < 4; ++i) sum = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i), w[i], sum);
+          acc[jj][kk] = _mm256_fmadd_ps(sum, d, acc[jj][kk]);
+        }
+        if constexpr (kS == 2) {
+          const float m = sc[kk][b * 2 + 1];
+          for (int jj = 0; jj < JB; ++jj) off[jj][kk] = std::fma(m, xsum[jj * blocks + b], off[jj][kk]);
+        }
+      }
+    }
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) {
+        fvec a;
+        std::memcpy(&a, &acc[jj][kk], sizeof a);
+        y[jj * y_stride + k0 + kk] = hsum<kVec>(a) + off[jj][kk];
+      }
+  }
+}
+
+template <typename Rows>
+void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
+                const float* bias, float* out, int64_t out_stride) {
+  const int64_t blocks = k / kBlock;
+  std::vector<float> xsum;
+  if constexpr (Rows::kScales == 2) {
+    xsum.resize(m * blocks);
+    for (int64_t j = 0; j < m; ++j)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float s = 0.f;
+        for (int64_t i = 0; i < kBlock; ++i) s += x[j * x_stride + b * kBlock + i];
+        xsum[j * blocks + b] = s;
+      }
+  }
+  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+    // A tile's float16 scales in float32, converted 8 at a time: one
+    // broadcast a block in the loop instead of a conversion.
+    std::vector<float> scales(kRowTile * blocks * Rows::kScales);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
+      const c10::Half* h = rows.scales(n0);
+      const int64_t count = nr * blocks * Rows::kScales;
+      int64_t i = 0;
+      for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(scales.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+      for (; i < count; ++i) scales[i] = half_to_float(h[i]);
+      int64_t j = 0;
+      for (; j + 4 <= m; j += 4)
+        dot_rows_blocked<4, 1>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales.data(), n0, nr, k,
+                               out + j * out_stride + n0, out_stride);
+      for (; j < m; ++j)
+        dot_rows_blocked<1, 4>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales.data(), n0, nr, k,
+                               out + j * out_stride + n0, 0);
+      if (bias != nullptr)
+        for (int64_t jj = 0; jj < m; ++jj)
+          for (int64_t c = n0; c < n0 + nr; ++c) out[jj * out_stride + c] += bias[c];
+    }
+  });
+}
+#endif
 
 #ifdef __AVX512BF16__
 // The blocked formats (Q4_1, Q8_0) with bfloat16 activations, where the CPU
@@ -334,6 +462,13 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
   TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
   if (x.scalar_type() == at::kFloat) {
+#ifdef LORAGW_BLOCKED_F32
+    if constexpr (!std::is_same_v<Rows, Int8Rows>) {
+      f32_blocks(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
+                 bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+      return;
+    }
+#endif
     linear_impl<float>(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
                        bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
   } else {

@@ -115,3 +115,19 @@ def test_the_registry_builds_the_kernel_before_the_first_step(monkeypatch):
     monkeypatch.setattr(cpu_decode, "load_kernel", lambda: calls.append(1))
     get_attention_backend("torch", torch.device("cpu"))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("length", [40, 130, 300, 700, 1100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_lone_sequence_is_split_across_threads_and_matches_the_reference(kernel, monkeypatch, length, dtype):
+    """Fewer sequences than threads: each is cut into shorter spans (at
+    least 64 positions) so that every thread gets one, and merged."""
+    monkeypatch.setattr(cpu_decode, "PARALLEL_POSITIONS_WHEN_THREADS_SLEEP", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        case = make_case([(length, 1)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
+                         seed=length)
+        check_backend(_backend("kernel"), case)
+    finally:
+        torch.set_num_threads(threads)
