@@ -6,7 +6,8 @@
 // The work is cut into items of one sequence; a sequence longer than kSpan
 // positions is split into spans, whose partial results (running max, sum,
 // weighted values) are merged at the end, so one long sequence still keeps
-// both cores busy. Threads take items longest first from a shared counter,
+// both cores busy (and with fewer sequences than threads, shorter spans:
+// span_for). Threads take items longest first from a shared counter,
 // since context lengths in a batch vary.
 //
 // Within an item, positions go 16 at a time (a tile; with 16-position blocks

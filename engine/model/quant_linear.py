@@ -24,11 +24,15 @@ Q8_0 with bfloat16 activations on a CPU with AVX512-BF16 go another way:
 each thread dequantizes a tile of weight rows once, to bfloat16, and
 multiplies every token row by it with bfloat16 dot products, which carries
 it past the few rows of a decode step (32 rows on a 2-core Intel Xeon,
-against 8). Larger calls (long prefill chunks), other devices
-(a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the torch twin: dequantize the
-weight for the call, then F.linear. No float copy is kept, so memory holds
-the quantized weights only; `benchmarks/quant_linear.py` measures what the
-per-call dequantization costs a long chunk.
+against 8). With float32 activations on AVX2 (no AVX-512) they take a
+blocked path: a block's 32 weights widened at once, each row's sum scaled
+by the block's d once and m taken out of the sum, which made a one-row
+call about 3x faster there (docs/engine.md). Larger calls (long prefill
+chunks), other devices (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the
+torch twin: dequantize the weight for the call, then F.linear. No float
+copy is kept, so memory holds the quantized weights only;
+`benchmarks/quant_linear.py` measures what the per-call dequantization
+costs a long chunk.
 
 Quantization "auto" (the default) is the other way round: it keeps the
 float weights and adds the Q4_1 form only where that holds every weight
