@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 
 def built_or_skip(load_kernel, what: str):
@@ -25,3 +28,14 @@ def recording(kernel, method: str) -> SimpleNamespace:
         return handled[-1]
 
     return SimpleNamespace(**{method: call, "handled": handled})
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block, restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

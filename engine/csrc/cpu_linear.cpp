@@ -20,12 +20,7 @@ void linear_impl(const T* x, int64_t x_stride, int64_t m, const T* w, int64_t n,
       for (; j + 4 <= m; j += 4)
         dot_rows<T, 4, 4>(x + j * x_stride, x_stride, wt, rows, k, out + j * out_stride + n0, out_stride);
       for (; j < m; ++j) dot_rows<T, 1, 16>(x + j * x_stride, x_stride, wt, rows, k, out + j * out_stride + n0, 0);
-      if (bias != nullptr) {
-        for (int64_t jj = 0; jj < m; ++jj)
-          for (int64_t c = n0; c < n0 + rows; ++c)
-            out[jj * out_stride + c] = static_cast<T>(static_cast<float>(out[jj * out_stride + c]) +
-                                                      static_cast<float>(bias[c]));
-      }
+      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, rows);
     }
   });
 }

@@ -328,9 +328,7 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
       for (; j < m; ++j)
         dot_rows_blocked<1, 4>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales.data(), n0, nr, k,
                                out + j * out_stride + n0, 0);
-      if (bias != nullptr)
-        for (int64_t jj = 0; jj < m; ++jj)
-          for (int64_t c = n0; c < n0 + nr; ++c) out[jj * out_stride + c] += bias[c];
+      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
     }
   });
 }
@@ -435,12 +433,7 @@ void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int6
       for (; j + 4 <= m; j += 4)
         dot_rows_q<T, 4, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
       for (; j < m; ++j) dot_rows_q<T, 1, kTileRowsX1>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
-      if (bias != nullptr) {
-        for (int64_t jj = 0; jj < m; ++jj)
-          for (int64_t c = n0; c < n0 + nr; ++c)
-            out[jj * out_stride + c] = static_cast<T>(static_cast<float>(out[jj * out_stride + c]) +
-                                                      static_cast<float>(bias[c]));
-      }
+      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
     }
   });
 }

@@ -76,6 +76,15 @@ inline void store16(c10::BFloat16* p, f32x16 v) {  // rounds to nearest even, as
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
 }
 
+// out[j, c] += bias[c] for the m token rows and the weight-row tile c0 ..
+// c0 + nr of a skinny linear's output, the sum rounded once to T.
+template <typename T>
+inline void add_bias_tile(T* out, int64_t out_stride, int64_t m, const T* bias, int64_t c0, int64_t nr) {
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t c = c0; c < c0 + nr; ++c)
+      out[j * out_stride + c] = static_cast<T>(static_cast<float>(out[j * out_stride + c]) + static_cast<float>(bias[c]));
+}
+
 inline f32x16 pair_add(f32x16 x, f32x16 y, i32x16 lo, i32x16 hi) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }

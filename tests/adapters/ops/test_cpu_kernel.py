@@ -16,7 +16,7 @@ from adapters.ops.cpu_ops import CpuLoraOps
 from adapters.ops.torch_ops import TorchLoraOps
 from tests.adapters.ops.naive import naive_expand, naive_shrink, per_token_slots
 from tests.adapters.ops.test_sgmv import BATCHES, HIDDEN, INTERMEDIATE, KV_WIDTH, TOLERANCE, make_stack
-from tests.native import built_or_skip, recording
+from tests.native import built_or_skip, recording, torch_threads
 
 PACKED = {  # SmolLM2-135M's packed projections: H_in, the slices' widths
     "qkv": (HIDDEN, [HIDDEN, KV_WIDTH, KV_WIDTH]),
@@ -103,13 +103,9 @@ def test_matches_the_torch_twin_on_a_step_of_many_adapters(kernel, threads, para
     batch = [(1, s) for s in range(32)] + [(40, 3), (3, None), (17, 30), (1, None)]
     cpu_ops = CpuLoraOps(kernel)
     cpu_ops.parallel_tokens = parallel_tokens
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         outs = [run_apply(ops, HIDDEN, [INTERMEDIATE, INTERMEDIATE], [8] * 32, 8, batch, torch.float32, seed=5)[0]
                 for ops in (cpu_ops, TorchLoraOps())]
-    finally:
-        torch.set_num_threads(old)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 

@@ -9,7 +9,7 @@ import torch
 from engine.attention import cpu_decode
 from engine.attention.torch_backend import TorchAttentionBackend
 from tests.engine.attention.test_backends import SCENARIOS, check_backend, make_case
-from tests.native import built_or_skip
+from tests.native import built_or_skip, torch_threads
 
 DECODE_HEAVY = ["decode_varied_lengths", "mixed", "skew_1_long_7_short", "skew_7_long_1_short", "long_context"]
 # Decode rows over contexts past several 16-position chunks and blocks, and
@@ -123,11 +123,7 @@ def test_a_lone_sequence_is_split_across_threads_and_matches_the_reference(kerne
     """Fewer sequences than threads: each is cut into shorter spans (at
     least 64 positions) so that every thread gets one, and merged."""
     monkeypatch.setattr(cpu_decode, "PARALLEL_POSITIONS_WHEN_THREADS_SLEEP", 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         case = make_case([(length, 1)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
                          seed=length)
         check_backend(_backend("kernel"), case)
-    finally:
-        torch.set_num_threads(threads)

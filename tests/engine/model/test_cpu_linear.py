@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import cpu_linear
-from tests.native import built_or_skip, recording
+from tests.native import built_or_skip, recording, torch_threads
 
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960  # SmolLM2-135M
 
@@ -62,13 +62,9 @@ def test_widths_off_the_vector_grid_with_bias(kernel, dtype, tol):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_many_weight_rows_split_across_threads(kernel, threads):
     """A weight taller than one thread's share (an LM head's shape, shortened)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         x, w, _, expected = _case(2, 4099, HIDDEN, torch.float32, seed=4)
         got = cpu_linear.linear(kernel, x, w)
-    finally:
-        torch.set_num_threads(old)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
 
 
