@@ -93,10 +93,15 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = PackedLinear(size, (("down", config.hidden_size),), bias, dtype, device, quantized)
         self.intermediate_size = size
+        self.elementwise = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = None if self.elementwise is None else cpu_elementwise.silu_mul(self.elementwise, gate_up)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,10 +114,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, dtype, device, quantized)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+    def forward(self, hidden, mlp_out, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, the MLP's output) -> the same for the next layer: the
+        residual add after the MLP is left to the next norm (`add_forward`,
+        one call for both); `mlp_out` None for the first layer."""
+        if mlp_out is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add_forward(hidden, mlp_out)
+        attn = self.self_attn(normed, cos, sin, kv_cache, meta)
         hidden, normed = self.post_attention_layernorm.add_forward(hidden, attn)
-        return hidden + self.mlp(normed)
+        return hidden, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,11 +197,12 @@ class LlamaForCausalLM(nn.Module):
             self.attn_backend.prepare(meta)
             hidden = F.embedding(input_ids, self.embed_tokens)
             cos, sin = self.rotary(positions, hidden.dtype)
+            mlp_out = None
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 if before_layer is not None:
                     before_layer(i)
-                hidden = layer(hidden, cos, sin, kv_cache, meta)
-            return self.norm(hidden)
+                hidden, mlp_out = layer(hidden, mlp_out, cos, sin, kv_cache, meta)
+            return self.norm(hidden) if mlp_out is None else self.norm.add_forward(hidden, mlp_out)[1]
 
     def packed_linears(self) -> dict[tuple[int, str], PackedLinear]:
         """(layer, "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj") -> projection."""

@@ -1,12 +1,14 @@
-"""The C++ RMSNorm and rotary kernels against their torch twins (HF's op
-order) and a float64 reference: the rotary and the residual add bit for bit,
-the norm to a rounding of its variance; each row whatever rows share the
-call; and the twins taking over where the kernel does not take the tensors."""
+"""The C++ RMSNorm, rotary and SiLU-and-product kernels against their torch
+twins (HF's op order) and a float64 reference: the rotary, the residual add
+and the SiLU-and-product bit for bit, the norm to a rounding of its
+variance; each row whatever rows share the call; and the twins taking over
+where the kernel does not take the tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.model import cpu_elementwise
 from engine.model.layers import RMSNorm
@@ -14,6 +16,7 @@ from engine.model.rope import apply_rotary
 from tests.native import built_or_skip
 
 HIDDEN, HEADS, HEAD_DIM, EPS = 576, 12, 64, 1e-5  # SmolLM2-135M: 9 query + 3 KV heads rotated together
+INTERMEDIATE = 1536
 DTYPES = [torch.float32, torch.bfloat16]
 # One row, a few, and past the kernel's 64 rows per thread.
 ROWS = [1, 3, 8, 130]
@@ -21,7 +24,7 @@ ROWS = [1, 3, 8, 130]
 
 @pytest.fixture(scope="module")
 def kernel():
-    return built_or_skip(cpu_elementwise.load_kernel, "CPU norm and rotary kernel")
+    return built_or_skip(cpu_elementwise.load_kernel, "CPU norm, rotary and SiLU kernel")
 
 
 def _norm(dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -133,3 +136,63 @@ def test_tensors_the_kernel_does_not_take_go_to_the_twin(kernel):
     odd = torch.randn(4, 2, 48)  # head_dim not a multiple of 32
     assert cpu_elementwise.rotary(kernel, odd, cos[..., :48].contiguous(), sin[..., :48].contiguous()) is None
     assert cpu_elementwise.rotary(kernel, torch.randn(4, 2, 64).to(torch.float16), cos.half(), sin.half()) is None
+
+
+def _gate_up(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """The gate/up projection's output, with the values where an exp
+    overflows or underflows, signed zeros, infinities and a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 8 * torch.randn(rows, 2 * width, generator=gen)
+    specials = torch.tensor([0.0, -0.0, 88.8, -88.8, 104.0, -104.0, float("inf"), float("-inf"), float("nan")])
+    x[0, : len(specials)] = specials
+    x[-1, width : width + len(specials)] = specials  # in `up` too
+    return x.to(dtype)
+
+
+def _silu_mul_twin(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit where both are numbers, NaN where either is."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+# 40 and 100: rows that end past torch's last whole pair of vectors (32 or
+# 64 values), where torch and the kernel switch to std::exp.
+@pytest.mark.parametrize("width", [INTERMEDIATE, 40, 100])
+def test_silu_mul_is_the_twins_bit_for_bit(kernel, dtype, rows, width):
+    x = _gate_up(rows, width, dtype, seed=rows + width)
+    got = cpu_elementwise.silu_mul(kernel, x)
+    assert got is not None and got.dtype == dtype and got.shape == (rows, width)
+    assert _same(got, _silu_mul_twin(x))
+    finite = ~x[:, :width].isinf() & ~x.isnan().any(-1, keepdim=True) & ~x[:, width:].isinf()
+    reference = (x[:, :width].double() * torch.sigmoid(x[:, :width].double()) * x[:, width:].double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.double()[finite], reference[finite], atol=tol, rtol=tol)
+
+
+def test_the_bfloat16_silu_table_holds_torchs_silu_of_every_bit_pattern(kernel):
+    table = cpu_elementwise.bfloat16_silu_table()
+    assert table.dtype == torch.int16 and table.shape == (65537,)
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    assert _same(table[:-1].view(torch.bfloat16), F.silu(patterns.float()).to(torch.bfloat16))
+
+
+def test_silu_mul_of_a_row_does_not_depend_on_the_rows_beside_it(kernel):
+    x = _gate_up(130, INTERMEDIATE, torch.bfloat16, seed=9)
+    together = cpu_elementwise.silu_mul(kernel, x)
+    alone = torch.cat([cpu_elementwise.silu_mul(kernel, x[i:i + 1]) for i in range(130)])
+    assert _same(together, alone)
+
+
+def test_silu_mul_takes_the_projection_output_as_it_is_and_refuses_the_rest(kernel):
+    wide = _gate_up(6, INTERMEDIATE + 8, torch.float32, seed=3)
+    strided = wide[:, : 2 * INTERMEDIATE]  # rows further apart than their width
+    assert _same(cpu_elementwise.silu_mul(kernel, strided), _silu_mul_twin(strided))
+    assert cpu_elementwise.silu_mul(kernel, wide.half()) is None
+    assert cpu_elementwise.silu_mul(kernel, wide.t()) is None  # columns not contiguous
+    assert cpu_elementwise.silu_mul(kernel, wide[:, :-1]) is None  # no even split into gate and up
