@@ -146,8 +146,13 @@ def _print_mode(r: dict) -> None:
           flush=True)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+def plot(results: list[dict], path: Path) -> bool:
+    """Whether it drew: matplotlib is an optional extra (`.[bench]`)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install -e '.[bench]'): {path} not drawn")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -166,6 +171,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> None:
@@ -195,8 +201,8 @@ def main() -> None:
     out = {"benchmark": "tiers", "args": {k: str(v) for k, v in vars(args).items()},
            "machine": machine_facts(), "wall_s": round(time.time() - started, 1), "modes": results}
     write_json(out, args.out, indent=1)
-    plot(results, args.plot)
-    print(f"wrote {args.plot}")
+    if plot(results, args.plot):
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -13,22 +13,22 @@ Numerics follow the twins op for op, rounding to the activations' dtype
 where they do (each product and the sum of the rotary; the normalized value,
 then its product with the weight, of the norm; the SiLU, then its product
 with `up`). The rotary, the residual add and the SiLU-and-product are
-bit-identical to theirs in float32 and bfloat16: in float32 the SiLU's exp
-is the SLEEF function that torch's own vectorized kernel calls (from
-libtorch), and a row's tail past torch's last whole pair of vectors takes
-std::exp, as torch's scalar loop does; in bfloat16 the SiLU is looked up in
-a table of F.silu's own results for all 65,536 bit patterns (~1.7x the
-formula's speed, its exp and division being most of the kernel's time). The norm's sum of
-squares runs in another order than torch's mean, so its results match the
-twin to a rounding of the variance, not bit for bit; each row is computed on
-its own, whatever rows share the call, as speculation's greedy equality
-needs.
+bit-identical to theirs in float32 and bfloat16. In float32 the SiLU's exp
+is the SLEEF function that torch's own vectorized kernel calls (libtorch
+exports it), and a row's values past torch's last whole pair of vectors
+take std::exp, as torch's scalar loop does. In bfloat16 the SiLU is looked
+up in a table of F.silu's own results for all 65,536 bit patterns: ~1.7x
+the formula's speed, whose exp and division were most of the kernel's time.
+The norm's sum of squares runs in another order than torch's mean, so its
+results match the twin to a rounding of the variance, not bit for bit. Each
+row is computed on its own, whatever rows share the call, as speculation's
+greedy equality needs.
 
 The twins, `RMSNorm.twin` (engine/model/layers.py), `apply_rotary`
-(engine/model/rope.py) and `F.silu(gate) * up` (`LlamaMLP`), serve where the kernel cannot be built, is switched
-off (LORAGW_CPU_ELEMENTWISE_KERNEL=0), or does not take the tensors (a GPU,
-another dtype, a head_dim that is not a multiple of 32). How it is built and
-cached: native/__init__.py.
+(engine/model/rope.py) and `F.silu(gate) * up` (`LlamaMLP`), serve where the
+kernel cannot be built, is switched off (LORAGW_CPU_ELEMENTWISE_KERNEL=0),
+or does not take the tensors (a GPU, another dtype, a head_dim that is not
+a multiple of 32). How it is built and cached: native/__init__.py.
 """
 
 from __future__ import annotations
