@@ -30,13 +30,14 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 // than a parallel region costs.
 constexpr int64_t kGrainRows = 64;
 
-// fn(begin, end) over rows 0 .. rows, at least `grain` rows to a thread; a
-// grain of every row keeps the call on the calling thread. Each call passes
-// its own: `serial_values` (engine/model/cpu_elementwise.py) is the size
-// below which waking a sleeping thread costs more than it saves.
+// fn(begin, end) over rows 0 .. rows of row_values values each, at least
+// `grain` rows to a thread, or all on the calling thread when the call holds
+// fewer than `serial_values` values (engine/model/cpu_elementwise.py: where
+// idle threads sleep, the size below which waking one costs more than it
+// saves; 0 elsewhere).
 template <typename F>
-inline void for_rows(int64_t rows, int64_t grain, const F& fn) {
-  if (rows <= grain) {
+inline void for_rows(int64_t rows, int64_t row_values, int64_t grain, int64_t serial_values, const F& fn) {
+  if (rows * row_values < serial_values || rows <= grain) {
     fn(0, rows);
     return;
   }
@@ -77,7 +78,7 @@ template <typename T>
 void norm_impl(T* x, int64_t x_stride, const T* residual, int64_t r_stride, const T* weight, float eps,
                T* out, int64_t out_stride, int64_t rows, int64_t h, int64_t serial_values) {
   const int64_t full = h / kLanes * kLanes;
-  for_rows(rows, rows * h < serial_values ? rows : kGrainRows, [&](int64_t begin, int64_t end) {
+  for_rows(rows, h, kGrainRows, serial_values, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * x_stride;
       if (residual != nullptr) {
@@ -111,7 +112,7 @@ template <typename T>
 void rotary_impl(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
                  int64_t d, int64_t serial_values) {
   const int64_t half = d / 2;
-  for_rows(rows, rows * heads * d < serial_values ? rows : kGrainRows, [&](int64_t begin, int64_t end) {
+  for_rows(rows, heads * d, kGrainRows, serial_values, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos + r * d;
       const T* s = sin + r * d;
@@ -214,7 +215,7 @@ void silu_mul_impl(const T* x, int64_t x_stride, const uint16_t* table, T* out, 
   const int64_t full = n / torch_vector_span<T>() * torch_vector_span<T>();
   // torch's elementwise ops split at 32768 values a thread; the same here.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  for_rows(rows, rows * n < serial_values ? rows : grain, [&](int64_t begin, int64_t end) {
+  for_rows(rows, n, grain, serial_values, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * x_stride;
       const T* up = gate + n;
