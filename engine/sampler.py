@@ -33,12 +33,11 @@ a full sort happens only for top-p rows whose nucleus is wider than
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
+from engine.logit_overrides import Overrides, build_overrides
 from engine.request import fork_request_id
 from engine.step_io import SampledToken, ScheduledRequest
 
@@ -84,7 +83,7 @@ class Sampler:
             return []
         logits = logits.to(torch.float32).contiguous()
         max_samples = max(r.num_samples for r in requests)
-        overrides = _build_overrides(logits, requests, eos_token_ids)
+        overrides = build_overrides(logits, requests, eos_token_ids)
 
         tokens = torch.zeros(len(requests), max_samples, dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
@@ -99,7 +98,7 @@ class Sampler:
             tokens[randoms] = self._sample_random(x, reqs, max_samples)
         return self._assemble(logits, requests, tokens)
 
-    def _working_rows(self, logits: torch.Tensor, rows: list[int], overrides: _Overrides,
+    def _working_rows(self, logits: torch.Tensor, rows: list[int], overrides: Overrides,
                       writable: bool) -> torch.Tensor:
         """Logits of `rows` with the overrides applied, in the working buffer;
         the logits themselves when that changes nothing and `writable` is False."""
@@ -227,7 +226,7 @@ class Sampler:
                       max_top: int) -> tuple[list[list[float]], list[list[int]], list[list[float]]]:
         """log_softmax of the raw logits of `rows`: the logprobs of `tokens`
         [M, S] and the top `max_top` (ids, logprobs) per row, best first."""
-        x = self._working_rows(logits, rows, _Overrides.none(), writable=False)
+        x = self._working_rows(logits, rows, Overrides.none(), writable=False)
         logprobs = torch.log_softmax(x, dim=1, out=self._scratch(1, len(rows), x))
         chosen = logprobs.gather(1, tokens).tolist()
         if not max_top:
@@ -255,101 +254,6 @@ def _fork_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
-
-
-@dataclass
-class _Overrides:
-    """Logit positions changed by penalties or min_tokens, as flat
-    `row * V + token` keys into the step's logits with their new values.
-    Layers are written in order, so the min_tokens mask wins over a penalty."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @staticmethod
-    def none() -> _Overrides:
-        return _Overrides(keys=[], values=[])
-
-    def apply(self, x: torch.Tensor, rows: torch.Tensor | None, num_rows: int) -> None:
-        """Write into x, whose row i is global row rows[i] (rows=None: all
-        `num_rows` rows in order), the overrides of its rows."""
-        vocab = x.shape[1]
-        local = None
-        if rows is not None and self.keys:
-            local = torch.full((num_rows,), -1, dtype=torch.int64, device=x.device)
-            local[rows] = torch.arange(rows.numel(), device=x.device)
-        for keys, values in zip(self.keys, self.values):
-            r, c = keys // vocab, keys % vocab
-            if local is not None:
-                r = local[r]
-                mine = r >= 0
-                r, c, values = r[mine], c[mine], values[mine]
-            x[r, c] = values
-
-
-def _build_overrides(logits: torch.Tensor, requests: list[ScheduledRequest],
-                     eos_token_ids: frozenset[int]) -> _Overrides:
-    """Penalised values of the seen tokens, then -inf masks for min_tokens."""
-    out = _Overrides.none()
-    if any(r.sampling_params.has_penalties for r in requests):
-        _add_penalties(out, logits, requests)
-    vocab = logits.shape[1]
-    masked: set[int] = set()
-    for i, r in enumerate(requests):
-        p = r.sampling_params
-        if len(r.output_token_ids) < p.min_tokens:
-            ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos_token_ids
-            masked.update(i * vocab + t for t in ids if t < vocab)
-    if masked:
-        keys = torch.tensor(sorted(masked), dtype=torch.int64, device=logits.device)
-        out.keys.append(keys)
-        out.values.append(torch.full((keys.numel(),), float("-inf"), dtype=logits.dtype,
-                                     device=logits.device))
-    return out
-
-
-def _add_penalties(out: _Overrides, logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
-    """Two layers: repetition over prompt + output tokens; then, over output
-    tokens, repetition again minus (frequency * count + presence)."""
-    vocab = logits.shape[1]
-    dev, dtype = logits.device, logits.dtype
-    flat = logits.view(-1)
-    params = [r.sampling_params for r in requests]
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=dev)
-
-    def repeated(keys: torch.Tensor) -> torch.Tensor:
-        values = flat[keys]
-        rep = repetition[keys // vocab]
-        return torch.where(values > 0, values / rep, values * rep)
-
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rep_rows:
-        seen = [list(set(requests[i].prompt_token_ids).union(requests[i].output_token_ids))
-                for i in rep_rows]
-        keys = _flat_keys(seen, rep_rows, vocab, dev)
-        out.keys.append(keys)
-        out.values.append(repeated(keys))
-    count_rows = [i for i, p in enumerate(params)
-                  if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
-                  and requests[i].output_token_ids]
-    if count_rows:
-        counters = [Counter(requests[i].output_token_ids) for i in count_rows]
-        keys = _flat_keys([list(c) for c in counters], count_rows, vocab, dev)
-        counts = torch.tensor([n for c in counters for n in c.values()], dtype=dtype, device=dev)
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=dev)
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=dev)
-        row = keys // vocab
-        out.keys.append(keys)
-        out.values.append(repeated(keys) - frequency[row] * counts - presence[row])
-
-
-def _flat_keys(token_lists: list[list[int]], rows: list[int], vocab: int, device) -> torch.Tensor:
-    """`rows[i] * vocab + token` for every token of token_lists[i]."""
-    tokens = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)
-    assert tokens.numel() == 0 or int(tokens.max()) < vocab, "token id outside the logits"
-    lengths = torch.tensor([len(ids) for ids in token_lists])
-    offsets = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lengths)
-    return (tokens + offsets).to(device)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
