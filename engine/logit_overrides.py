@@ -3,9 +3,10 @@ min_tokens mask (steps 1 and 2 of engine/sampler.py's order of operations).
 
 They are kept as sparse overrides, flat `row * V + token` keys with their
 new values, not written into a copy of the whole [rows, V] logits: a step
-changes a few hundred positions of up to 256 x 49k, and the sampler writes
-them into the rows it works on (Overrides.apply). Penalties read the RAW
-logits, so the raw logprobs stay untouched.
+changes only the positions of the tokens its requests have seen (and their
+stop ids), a small part of up to 256 x 49k, and the sampler writes them
+into the rows it works on (Overrides.apply). The logits themselves are
+never written, so logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations
