@@ -20,6 +20,7 @@ from gateway.server import build_gateway
 from gateway.tenancy import Tier
 from gateway.workers.fleet import WorkerFleet
 from gateway.workers.scaling import ScalingPolicy
+from tests.gateway.hangups import client_request_id
 from tests.gateway.live import ADMIN_TOKEN, seed_tenants, start_live_server, wait_for
 from tests.gateway.workers.live_fleet import stream_completion
 
@@ -105,17 +106,23 @@ def test_killed_worker_ends_streams_retries_queued_and_comes_back(cluster, tiny_
         old_endpoint = fleet.workers[victim].endpoint
         body = {"model": model, "prompt": "tell me a long story", "max_tokens": 400, "min_tokens": 400}
         results: dict[int, object] = {}
-        streaming = threading.Event()
+        streamed: set[str] = set()  # client ids with a first token
 
         def run(i: int) -> None:
-            results[i] = stream_completion(live.url, key, body, request_id=f"ray-{i}", on_first_token=streaming.set,
-                                           timeout_s=120)
+            results[i] = stream_completion(live.url, key, body, request_id=f"ray-{i}",
+                                           on_first_token=lambda: streamed.add(f"ray-{i}"), timeout_s=120)
+
+        def victim_streams() -> bool:
+            # The victim's own running request must have streamed: a first
+            # token on the other worker says nothing of it, and a request
+            # killed before its first token is retried, not cut.
+            held = {client_request_id(r) for r in list(fleet.workers[victim].in_flight)}
+            return len(held) == 3 and bool(held & streamed)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        wait_for(lambda: len(fleet.workers[victim].in_flight) == 3 and streaming.is_set(), 60,
-                 "three requests on the victim, one streaming")
+        wait_for(victim_streams, 60, "three requests on the victim, one streaming")
         ray.kill(ray.get_actor(victim, namespace=NAMESPACE), no_restart=False)
         for t in threads:
             t.join(180)
