@@ -75,6 +75,10 @@ def _download_sources(version: str, into: Path) -> Path:
     return into / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
 
 
+class LlamaServerCrashed(RuntimeError):
+    """llama-server was killed by a signal (a segfault) before it served."""
+
+
 class LlamaServerProcess:
     """`llama-server` with `parallel` slots of `ctx_per_slot` tokens each.
 
@@ -83,12 +87,13 @@ class LlamaServerProcess:
     window whatever the concurrency. Continuous batching is its default; it
     is named anyway so that the command line says what ran."""
 
-    def __init__(self, binary: Path, gguf: Path, *, parallel: int, ctx_per_slot: int, threads: int):
+    def __init__(self, binary: Path, gguf: Path, *, parallel: int, ctx_per_slot: int, threads: int,
+                 extra_args: tuple[str, ...] = ()):
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                     "--parallel", str(parallel), "--ctx-size", str(parallel * ctx_per_slot),
-                    "--cont-batching", "-t", str(threads), "--no-webui"]
+                    "--cont-batching", "-t", str(threads), "--no-webui", *extra_args]
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -97,9 +102,15 @@ class LlamaServerProcess:
         return Path(self._log.name).read_text(errors="replace")[-chars:]
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        # /health answers 503 while the model loads and 200 once it serves.
-        wait_until_ok(self.proc, f"{self.base_url}/health", timeout, poll_s=0.25, what="llama-server",
-                      log_tail=self.log_tail)
+        """Returns once /health answers 200 (it answers 503 while the model
+        loads); raises LlamaServerCrashed if a signal killed the server first."""
+        try:
+            wait_until_ok(self.proc, f"{self.base_url}/health", timeout, poll_s=0.25, what="llama-server",
+                          log_tail=self.log_tail)
+        except RuntimeError as exc:
+            if self.proc.returncode is not None and self.proc.returncode < 0:
+                raise LlamaServerCrashed(f"signal {-self.proc.returncode}: {exc}") from None
+            raise
 
     def stop(self) -> None:
         self.proc.terminate()

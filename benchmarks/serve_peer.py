@@ -49,7 +49,7 @@ waiting while it serves (for loragw, the cost of the engine's threads to
 the HTTP side).
 
     python benchmarks/serve_peer.py [--concurrency 1 16 64] [--duration 60] [--seed 0]
-        [--llama-server PATH] [--loragw-arg ARG]... [--loragw-env NAME=VALUE]...
+        [--llama-server PATH] [--llama-server-arg ARG]... [--loragw-arg ARG]... [--loragw-env NAME=VALUE]...
         [--py-spy-level C] [--out benchmarks/results/serve_peer.json]
 """
 
@@ -65,7 +65,7 @@ from typing import Callable
 from pathlib import Path
 
 import httpx
-from llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServerProcess, ensure_llama_server
+from llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServerCrashed, LlamaServerProcess, ensure_llama_server
 from loadgen import GatewayProcess
 from machine import CpuMeter, load_average, machine_facts, write_json
 from peer_client import Request, closed_loop, latency_summary, probe_latency, summarize
@@ -76,6 +76,7 @@ from engine.heap import freeze_startup_heap
 RESULTS = Path(__file__).parent / "results"
 CTX_PER_SLOT = 512
 LLAMA_THREADS = 2
+NO_REPACK = "--no-repack"
 WARMUP_REQUESTS = 2
 
 
@@ -171,15 +172,41 @@ def run_level(server: Server, workload: list[Request], concurrency: int, duratio
     return stats
 
 
-def run_llama_server(binary: Path, workload: list[Request], levels: list[int], duration_s: float) -> dict:
+def start_llama_server(binary: Path, parallel: int, extra_args: list[str]) -> LlamaServerProcess:
+    """A ready llama-server. Where its start segfaults, it is started again
+    with weight repacking off: ggml's AMX path crashes in its first matmul on
+    some AMX hosts (llama.cpp issue 20824: the tile config is optimized
+    away), and `--no-repack` is the runtime switch that keeps the weights out
+    of the AMX buffer. The command each level ran is in the JSON."""
+    try:
+        return _ready_llama_server(binary, parallel, extra_args)
+    except LlamaServerCrashed as crash:
+        if NO_REPACK in extra_args:
+            raise
+        print(f"  llama-server crashed on start ({str(crash).splitlines()[0]}); retrying with {NO_REPACK}",
+              flush=True)
+        return _ready_llama_server(binary, parallel, [*extra_args, NO_REPACK])
+
+
+def _ready_llama_server(binary: Path, parallel: int, extra_args: list[str]) -> LlamaServerProcess:
     from engine.model.loader import bundled_gguf_path
 
+    proc = LlamaServerProcess(binary, bundled_gguf_path(), parallel=parallel, ctx_per_slot=CTX_PER_SLOT,
+                              threads=LLAMA_THREADS, extra_args=tuple(extra_args))
+    try:
+        proc.wait_ready()
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def run_llama_server(binary: Path, workload: list[Request], levels: list[int], duration_s: float,
+                     extra_args: list[str]) -> dict:
     out = {}
     for c in levels:
-        proc = LlamaServerProcess(binary, bundled_gguf_path(), parallel=c, ctx_per_slot=CTX_PER_SLOT,
-                                  threads=LLAMA_THREADS)
+        proc = start_llama_server(binary, c, extra_args)
         try:
-            proc.wait_ready()
             server = Server("llama-server", proc.base_url, "smollm2", {}, lambda n: {"ignore_eos": True})
             out[str(c)] = {**run_level(server, workload, c, duration_s), "command": proc.cmd}
         finally:
@@ -241,6 +268,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=4096, help="length of the seeded request sequence")
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of the cached build")
+    ap.add_argument("--llama-server-arg", action="append", default=[], metavar="ARG",
+                    help="a flag for llama-server (repeat it; none: the benchmark's own command line)")
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--skip-loragw", action="store_true")
     ap.add_argument("--loragw-arg", action="append", default=[], metavar="ARG",
@@ -264,7 +293,8 @@ def main() -> None:
     if not args.skip_llama_server:
         binary = args.llama_server or ensure_llama_server()
         result["llama_server_build"] = {"binary": str(binary), "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION}
-        result["llama_server"] = run_llama_server(binary, workload, args.concurrency, args.duration)
+        result["llama_server"] = run_llama_server(binary, workload, args.concurrency, args.duration,
+                                                   args.llama_server_arg)
     if not args.skip_loragw:
         env = dict(item.split("=", 1) for item in args.loragw_env)
         result["loragw"] = run_loragw(workload, args.concurrency, args.duration, args.loragw_arg, env,

@@ -14,9 +14,9 @@ Two kinds of limit, checked in this order:
    in this process, or in Redis so that they hold across gateway replicas.
 
 The tier limits describe this gateway's own queue and stay in memory.
-`precheck` runs the tenant limits alone before the request is parsed, at
-the least cost any request has, and `admit` runs everything once the prompt
-is tokenized. Both are coroutines because the tenant limiter may need I/O;
+`precheck` runs both kinds before the request is parsed, at the least cost
+any request has (one prompt token), and `admit` runs everything again once
+the prompt is tokenized. Both are coroutines because the tenant limiter may need I/O;
 the tier state is touched only on the event loop, so there are no locks.
 Time comes from the injected clock, so tests never sleep. With tiers off
 (the FCFS baseline of benchmarks/tiers.py) the tier limits are skipped;
@@ -126,14 +126,18 @@ class AdmissionController:
         return Ticket(self, tenant.tier, hold, prompt_tokens, max_tokens)
 
     async def precheck(self, principal: Principal) -> None:
-        """RateLimited if the tenant is at its concurrency limit or out of
-        requests (or tokens) per minute: checked before the request's body is
-        read, parsed or tokenized, so a tenant over its limits costs the
-        server almost nothing. Takes nothing. It judges tokens per minute at
-        one token, the least any request costs, so it refuses only what
-        `admit` would refuse too; `admit` checks everything again, the tier
-        limits and the real token count included."""
+        """RateLimited if the tenant's tier queue is full (or would hold the
+        request past its wait limit), or the tenant is at its concurrency
+        limit or out of requests (or tokens) per minute: checked before the
+        request's body is read, parsed or tokenized, so a flood that the
+        queue or the tenant's limits would refuse costs the server almost
+        nothing. Takes nothing. It judges a prompt and the tokens per minute
+        at one token, the least any request holds (an empty prompt is a
+        400), so it refuses only what `admit` would refuse at the same
+        moment; `admit` checks everything again with the real token count."""
         tenant = principal.tenant
+        if self.enabled:
+            self._check_tier(tenant.tier, self._tiers[tenant.tier], 1, self._clock())
         try:
             await self.tenant_limiter.check(tenant, 1)
         except RateLimited as exc:

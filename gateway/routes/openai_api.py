@@ -1,7 +1,7 @@
 """The OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
 Every completion takes the same path:
-  auth -> the tenant's rate limits (429) -> read the body (413) -> parse (400)
+  auth -> the tier queue's and the tenant's limits (429) -> read the body (413) -> parse (400)
   -> model: base or an adapter this tenant may use (404)
   -> prepare tokens and sampling (400) -> admission (429) -> engine
   -> one JSON body, or an SSE stream.
@@ -103,8 +103,9 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
 
 
 async def _precheck(gw, principal: Principal, *, chat: bool) -> None:
-    """The tenant's own limits, before any work a tenant over them could make
-    us do (reading, parsing, tokenizing); a refusal is traced like admit's."""
+    """The tier queue's limits and the tenant's own, before any work a
+    request they refuse could make us do (reading, parsing, tokenizing); a
+    refusal is traced like admit's."""
     try:
         await gw.admission.precheck(principal)
     except RateLimited:

@@ -205,3 +205,35 @@ async def test_precheck_refuses_only_what_admit_would_and_takes_nothing():
     await ctl.precheck(tenant)
     assert ctl.snapshot()["standard"]["rejected"] == {"tokens_per_minute": 2, "requests_per_minute": 1,
                                                       "max_concurrent": 1}
+
+
+async def test_precheck_refuses_what_the_tier_queue_would_at_one_prompt_token():
+    ctl = controller(Clock(), standard=TierLimits(max_waiting=2, max_queued_tokens=100))
+    std = principal("flood", Tier.STANDARD)
+    first = await ctl.admit(std, prompt_tokens=60, max_tokens=1)
+    await ctl.precheck(std)  # 60 + 1 fits, and a place is free
+    second = await ctl.admit(std, prompt_tokens=40, max_tokens=1)
+    with pytest.raises(RateLimited) as info:
+        await ctl.precheck(std)
+    assert info.value.code == "tier_queue_full"
+    with pytest.raises(RateLimited):
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    await ctl.precheck(principal("vip", Tier.PREMIUM))  # premium's queue is its own
+    first.started()  # a place frees, but 40 queued tokens + 1 still fit: nothing to refuse
+    await ctl.precheck(std)
+    ctl_full_budget = controller(Clock(), standard=TierLimits(max_waiting=5, max_queued_tokens=100))
+    await ctl_full_budget.admit(std, prompt_tokens=100, max_tokens=1)
+    with pytest.raises(RateLimited) as info:
+        await ctl_full_budget.precheck(std)  # no prompt is shorter than one token
+    assert info.value.code == "tier_kv_budget"
+    second.release()
+    snap = ctl.snapshot()["standard"]
+    assert snap["waiting"] == 0 and snap["queued_tokens"] == 0  # prechecks took nothing
+    assert snap["rejected"] == {"max_waiting": 2}
+
+
+async def test_precheck_skips_the_tier_queues_with_tiers_off():
+    ctl = controller(Clock(), enabled=False, standard=TierLimits(max_waiting=1))
+    std = principal("a", Tier.STANDARD)
+    await ctl.admit(std, prompt_tokens=10, max_tokens=1)
+    await ctl.precheck(std)

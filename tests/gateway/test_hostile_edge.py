@@ -191,6 +191,25 @@ def test_rate_limit_before_parse_a_tenant_at_its_concurrency_limit_gets_429(db_u
         assert_error(client.post("/v1/completions", content=b"[]", headers=client.tenant_headers), 400, "invalid_request")
 
 
+def test_a_full_tier_queue_refuses_before_parse_whatever_the_body(db_url):
+    with edge_client(db_url) as client:
+        engine = client.gateway.engine
+        principal = call_store(client, "authenticate", client.key, now=now())
+        admit = functools.partial(client.gateway.admission.admit, principal, prompt_tokens=1, max_tokens=1)
+        tickets = [client.portal.call(admit) for _ in range(TierLimits().max_waiting)]  # the queue is full
+        for body in (b"{not json", json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(),
+                     json.dumps({"model": MODEL, "prompt": "y" * 3000}).encode()):
+            r = client.post("/v1/completions", content=body, headers=client.tenant_headers)
+            assert_error(r, 429, "tier_queue_full")
+            assert int(r.headers["retry-after"]) >= 1
+        assert engine.tokenized == 0
+        tickets[0].started()  # a place frees: the body is read again, and judged
+        assert_error(client.post("/v1/completions", content=b"{not json", headers=client.tenant_headers), 400,
+                     "invalid_request")
+        rejected = client.gateway.admission.snapshot()["standard"]["rejected"]
+        assert rejected == {"max_waiting": 3}
+
+
 # ---- defect 1: a prompt too long for the context, refused before tokenizing ----
 
 
