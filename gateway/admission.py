@@ -16,10 +16,10 @@ Two kinds of limit, checked in this order:
 The tier limits describe this gateway's own queue and stay in memory.
 `precheck` runs both kinds before the request is parsed, at the least cost
 any request has (one prompt token), and `admit` runs everything again once
-the prompt is tokenized. Both are coroutines because the tenant limiter may need I/O;
-the tier state is touched only on the event loop, so there are no locks.
-Time comes from the injected clock, so tests never sleep. With tiers off
-(the FCFS baseline of benchmarks/tiers.py) the tier limits are skipped;
+the prompt is tokenized. Both are coroutines because the tenant limiter may
+need I/O; the tier state is touched only on the event loop, so there are no
+locks. Time comes from the injected clock, so tests never sleep. With tiers
+off (the FCFS baseline of benchmarks/tiers.py) the tier limits are skipped;
 tenant limits, being part of each tenant's contract, still hold.
 """
 
