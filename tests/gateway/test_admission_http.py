@@ -69,4 +69,3 @@ def test_standard_flood_gets_429s_while_premium_all_succeeds(live):
     assert all(int(h["retry-after"]) >= 1 and "tier_queue_full" in h["body"] for h in rejected)
     snap = live.gateway.admission.snapshot()
     assert snap["premium"]["rejected"] == {} and snap["standard"]["rejected"]["max_waiting"] == len(rejected)
-
