@@ -8,11 +8,15 @@ of `--rounds` interleaved rounds (the best is the least disturbed on a
 shared host). Paths:
 
   float_kernel   our float skinny kernel (engine/model/cpu_linear.py): the baseline
-  float_torch    F.linear on the float weight (MKL)
+  float_torch    F.linear on the float weight (MKL in float32, oneDNN in bfloat16)
+  float_packed   bfloat16 only: oneDNN's linear on its packed copy of the
+                 weight (cpu_linear.pack), the engine's torch path where
+                 packing pays
   int8_ours      engine/csrc/quant_linear.cpp, int8 per channel
   int8_torch     torch._weight_int8pack_mm (the CPU int8 weight-only op)
   int8_torchao   torchao Int8WeightOnlyConfig on an nn.Linear
   int4_ours      engine/csrc/quant_linear.cpp, Q4_1 (group 32, d and m)
+  q8_0_ours      the same file, Q8_0 (group 32, d): the LM head's GGUF format
   int4_torchao   torchao's CPU int4 (PrototypeInt4WeightOnlyConfig, group 32:
                  torch._weight_int4pack_mm_for_cpu)
   int4_twin      our torch twin: dequantize for the call, then F.linear
@@ -68,6 +72,7 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
     fk, qk = cpu_linear.load_kernel(), quant_linear.load_kernel()
     i8 = [quant_linear.quantize_int8(w) for w in weights]
     q4 = [quant_linear.quantize_q4_1(w) for w in weights]
+    q8 = [quant_linear.quantize(w, "q8_0") for w in weights]
 
     def kernel_call(fn):
         def run(x, i):
@@ -82,8 +87,12 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
         "int8_ours": kernel_call(lambda x, i, out: i8[i].run_kernel(qk, x, None, out)),
         "int8_torch": lambda x, i: torch._weight_int8pack_mm(x, i8[i].q, i8[i].scale.to(dtype)),
         "int4_ours": kernel_call(lambda x, i, out: q4[i].run_kernel(qk, x, None, out)),
+        "q8_0_ours": kernel_call(lambda x, i, out: q8[i].run_kernel(qk, x, None, out)),
         "int4_twin": lambda x, i: quant_linear.twin(x, q4[i]),
     }
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_ROWS_HINT) for w in weights]
+        paths["float_packed"] = lambda x, i: cpu_linear.linear(None, x, weights[i], None, packed[i])
     for name, mods in torchao_linears(weights, dtype).items():
         paths[name] = lambda x, i, mods=mods: mods[i](x)
     return paths

@@ -10,8 +10,9 @@ on both sides.
 
   engine    all requests submitted at once, stepped by hand so that KV usage
             is read after every step; output tok/s, processed tok/s
-            ((prompt + output) / wall), and the KV slots allocated but
-            holding no token at the step of peak block use.
+            ((prompt + output) / wall), the KV slots allocated but
+            holding no token at the step of peak block use, and the
+            steps binned by their batched tokens (`steps_by_size`).
   hf        transformers `generate` in batches of 32 in arrival order, left
             padded, each batch run to its longest output; only the requested
             tokens count.
@@ -138,12 +139,14 @@ def run_engine(llm, workload: Workload, roofline: LinearRoofline) -> dict:
     meter = CpuMeter.start()
     t0 = time.perf_counter()
     ids = [engine.add_request(p, forced_params(n)) for p, n in zip(workload.prompts, workload.output_lens)]
-    instrument_s, batched = 0.0, []
+    instrument_s, batched, step_s = 0.0, [], []
     peak, max_unused = None, 0.0
     done = {}
     while engine.has_unfinished():
+        t_step = time.perf_counter()
         outs = engine.step(final_only=True)  # as LLM.generate steps
         t = time.perf_counter()
+        step_s.append(t - t_step)
         batched.append(engine.core.last_schedule.num_batched_tokens)
         usage = kv.usage()
         if peak is None or usage.num_used > peak.num_used:
@@ -167,6 +170,7 @@ def run_engine(llm, workload: Workload, roofline: LinearRoofline) -> dict:
         "processed_tok_per_cpu_s": round(processed / engine_cpu_s, 1),
         "steps": len(batched),
         "batched_tokens_per_step_mean": round(statistics.mean(batched), 1),
+        "steps_by_size": steps_by_size(batched, step_s),
         "instrument_s": round(instrument_s, 2),
         "kv": {
             "num_blocks": peak.num_blocks,
@@ -180,6 +184,30 @@ def run_engine(llm, workload: Workload, roofline: LinearRoofline) -> dict:
         "cpu": cpu,
         "roofline_during": roofline.summarize(probe.samples or roofline.sample(PROBE_PASSES)),
     }
+
+
+# Upper bounds of the step-size bins (tokens computed in the step): decode
+# steps of a few sequences, of many, and prompt-heavy steps.
+STEP_BINS = (4, 16, 64, 1 << 30)
+
+
+def steps_by_size(batched: list[int], step_s: list[float]) -> list[dict]:
+    """Per bin of steps by their batched tokens: how many, their tokens, and
+    their share of the engine's step time. Where a run is far under its
+    roofline, this says which steps lose it: the few-row decode steps stream
+    every weight for a handful of tokens."""
+    total = sum(step_s)
+    bins, low = [], 0
+    for high in STEP_BINS:
+        picked = [(n, s) for n, s in zip(batched, step_s) if low < n <= high]
+        if picked:
+            busy = sum(s for _, s in picked)
+            tokens = sum(n for n, _ in picked)
+            bins.append({"tokens_max": high if high < STEP_BINS[-1] else None, "steps": len(picked),
+                         "tokens": tokens, "time_share": round(busy / total, 3),
+                         "ms_per_step": round(busy / len(picked) * 1e3, 1), "tok_s": round(tokens / busy, 1)})
+        low = high
+    return bins
 
 
 def warm_up_engine(llm, tokenizer) -> None:
@@ -272,6 +300,10 @@ def print_report(result: dict) -> None:
     print(f"engine     output {eng['output_tok_s']} tok/s, processed {eng['processed_tok_s']} tok/s "
           f"({eng['wall_s']} s, {eng['steps']} steps, {eng['batched_tokens_per_step_mean']} tokens/step; "
           f"{eng['cpu']['own_cores']} cores used, others {eng['cpu'].get('other_cores')})")
+    for b in eng["steps_by_size"]:
+        size = f"<= {b['tokens_max']}" if b["tokens_max"] else "larger"
+        print(f"  steps of {size:>7} tokens: {b['steps']:4d} steps, {b['tokens']:6d} tokens, "
+              f"{b['time_share']:.1%} of step time, {b['ms_per_step']} ms/step, {b['tok_s']} tok/s")
     print(f"kv         peak {eng['kv']['peak_blocks_used']} blocks of {eng['kv']['num_blocks']}, "
           f"unused slots at peak {eng['kv']['unused_slot_fraction_at_peak']:.2%}, "
           f"max over steps {eng['kv']['unused_slot_fraction_max']:.2%}")

@@ -30,6 +30,19 @@ or set outright by LORAGW_CPU_LINEAR_MAX_ROWS. The quantized kernels
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.
+
+The calls past the kernel's limit go to torch. In bfloat16 that is oneDNN,
+and F.linear hands oneDNN the plain row-major weight, which it reorders into
+its blocked layout on every call: on a 2-core Intel Xeon with AMX the
+reorder cost more than the product, 145 to 240 us a gate_proj call at 1 to
+64 rows. `pack` keeps that reordered copy beside the weight, made once at
+load, and `linear` hands it to oneDNN's own linear op: 58 to 105 us there,
+the same values (`benchmarks/quant_linear.py`, docs/benchmarks.md). Whether
+it pays is measured once per process (`packing_pays`); only bfloat16 is
+packed, since float32's torch path is MKL's GEMM, which the exactness tests
+compare with HF's, and oneDNN's float32 product rounds otherwise. The copy
+costs as much memory as the float weights it packs;
+LORAGW_CPU_PACKED_WEIGHTS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -49,6 +62,15 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LORAGW_CPU_LINEAR_KERNEL"
 ROWS_ENV = "LORAGW_CPU_LINEAR_MAX_ROWS"
+PACK_ENV = "LORAGW_CPU_PACKED_WEIGHTS"
+# The row count oneDNN lays its packed weight out for; the copy serves every
+# count. Packed for 1 row, its 32- and 64-row calls on the AMX host were
+# slower than the unpacked weight's; packed for 128, every count from 1 to
+# 256 was 1.35-1.6x faster, and 1,024 level.
+PACK_ROWS_HINT = 128
+# Packing pays where the packed product beats F.linear at a decode batch
+# and at a prefill-sized call alike.
+PACK_CALIBRATION_ROWS = (16, 128)
 # Row counts the calibration tries, on a gate_proj-sized weight (1536 x 576:
 # bigger than a core's L2, as every weight of the model). It starts at one
 # row: on a host whose vectors the kernel's tiles do not fit, torch may win
@@ -71,14 +93,57 @@ _KERNEL = native.Kernel("loragw_cpu_linear", SOURCE, "CPU linear kernel", ENV_SW
 load_kernel = _KERNEL.load
 
 
-def linear(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, by the kernel when `x` has at most `row_limit` rows and the
-    kernel takes the tensors; `kernel` None is plain F.linear."""
+    kernel takes the tensors; `kernel` None is the torch path alone. That
+    path multiplies by `packed`, `pack(weight)`, where it is given."""
     if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads()):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if kernel.skinny_linear(x, weight, bias, out):
             return out
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of `weight` [N, K] for `linear`, where packing
+    pays on this host (`packing_pays`), else None. The caller must not
+    change `weight` afterwards: the copy would not follow."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not packing_pays(weight.dtype, torch.get_num_threads()):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+@functools.cache
+def packing_pays(dtype: torch.dtype, threads: int) -> bool:
+    """Whether bfloat16 weights are worth packing with `threads` torch
+    threads: LORAGW_CPU_PACKED_WEIGHTS when set ("0" or "1"), else measured
+    on the calibration weights, the packed product against F.linear at each
+    of PACK_CALIBRATION_ROWS. Never for another dtype, nor without oneDNN."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    env = os.environ.get(PACK_ENV)
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"{PACK_ENV}={env!r} must be 0 or 1")
+        return env == "1"
+    t0 = time.perf_counter()
+    weights = calibration_weights(dtype)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
+    timings = {}
+    for rows in PACK_CALIBRATION_ROWS:
+        x = torch.randn(rows, CALIBRATION_SHAPE[1], generator=torch.Generator().manual_seed(2)).to(dtype)
+        timings[rows] = best_of(
+            lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
+            lambda i: F.linear(x, weights[i]), copies_for(rows))
+    pays = all(packed_s < plain_s for packed_s, plain_s in timings.values())
+    log.info("packed bfloat16 weights on %d threads: %s (us packed/plain %s; calibrated in %.0f ms)", threads,
+             "on" if pays else "off",
+             ", ".join(f"{rows} rows {a * 1e6:.0f}/{b * 1e6:.0f}" for rows, (a, b) in timings.items()),
+             (time.perf_counter() - t0) * 1e3)
+    return pays
 
 
 @functools.cache
@@ -90,9 +155,10 @@ def row_limit(dtype: torch.dtype, threads: int) -> int:
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return env_row_limit() or 0
     weights = calibration_weights(dtype)
+    packed = [pack(w) for w in weights]  # the torch path the larger calls take
     return calibrated_limit("CPU linear kernel", dtype, threads,
                             lambda x, out, i: kernel.skinny_linear(x, weights[i], None, out),
-                            lambda x, i: F.linear(x, weights[i]))
+                            lambda x, i: linear(None, x, weights[i], None, packed[i]))
 
 
 def env_row_limit() -> int | None:
@@ -151,18 +217,23 @@ def measure(run_kernel, run_torch, dtype: torch.dtype) -> dict[int, tuple[float,
     for rows in CALIBRATION_ROWS:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
-        copies = range(copies_for(rows))
-        best = [float("inf"), float("inf")]
-        for _ in range(CALIBRATION_REPEATS):
-            for path, run in enumerate((lambda i: run_kernel(x, out, i), lambda i: run_torch(x, i))):
-                t0 = time.perf_counter()
-                for i in copies:
-                    run(i)
-                best[path] = min(best[path], time.perf_counter() - t0)
-        timings[rows] = (best[0], best[1])
-        if best[0] >= best[1]:
+        timings[rows] = best_of(lambda i: run_kernel(x, out, i), lambda i: run_torch(x, i), copies_for(rows))
+        if timings[rows][0] >= timings[rows][1]:
             break
     return timings
+
+
+def best_of(run_a, run_b, copies: int) -> tuple[float, float]:
+    """The best seconds of `run_a(i)` and of `run_b(i)` over copies 0 ..
+    `copies` - 1, CALIBRATION_REPEATS interleaved rounds."""
+    best = [float("inf"), float("inf")]
+    for _ in range(CALIBRATION_REPEATS):
+        for path, run in enumerate((run_a, run_b)):
+            t0 = time.perf_counter()
+            for i in range(copies):
+                run(i)
+            best[path] = min(best[path], time.perf_counter() - t0)
+    return best[0], best[1]
 
 
 def crossover(timings: dict[int, tuple[float, float]]) -> int:

@@ -103,15 +103,17 @@ class PackedLinear(nn.Module):
         self.cpu_linear = cpu_linear.load_kernel() if on_cpu else None
         self.quant_kernel = quant_linear.load_kernel() if on_cpu and quantized else None
         self.qweight: quant_linear.QuantizedWeight | None = None  # set by `quantize`
+        self.packed: torch.Tensor | None = None  # set by `pack`
         # Set by the engine builder when LoRA is on: adds the step's
         # per-token adapter deltas into the output, hook(x, out).
         self.lora_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
         if self.qweight is not None:
-            out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias, self.weight, self.cpu_linear)
+            out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias, self.weight, self.cpu_linear,
+                                      self.packed)
         else:
-            out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias)
+            out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias, self.packed)
         if self.lora_hook is not None:
             self.lora_hook(x, out)
         return out
@@ -121,6 +123,14 @@ class PackedLinear(nn.Module):
         one is dropped (`weight` None)."""
         self.qweight = quant_linear.quantize(self.weight.data, method)
         self.weight = None
+
+    def pack(self) -> None:
+        """On the CPU, oneDNN's packed copy of the loaded float weight for
+        the calls that go to torch, where that pays (`cpu_linear.pack`).
+        Called once the weights are final: a later change to them would not
+        reach the copy."""
+        if self.weight is not None:
+            self.packed = cpu_linear.pack(self.weight.data)
 
     def keep(self, qweight: quant_linear.QuantizedWeight | None) -> None:
         """Quantization "auto": the float weight, now in the activations'

@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         self.as_stored = False  # set by `keep_as_stored`: "auto" found Q4_1 linears
         self.lm_head_stored: quant_linear.QuantizedWeight | None = None  # "auto" found a Q8_0 head
+        self.lm_head_packed: torch.Tensor | None = None  # set by `pack_weights`
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
         self._quant_kernel = quant_linear.load_kernel() if quantized and self.device.type == "cpu" else None
         # Measured now, not in the first step.
@@ -232,13 +233,14 @@ class LlamaForCausalLM(nn.Module):
                 linear.keep(qweight)
         self.as_stored = bool(stored)
         if self.as_stored:
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.AS_STORED)
+            # Positional, as `quant_linear.linear` calls it: the cache would take a keyword for another key.
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), quant_linear.AS_STORED)
         with torch.no_grad():
             self.lm_head_stored = quant_linear.quantize_exactly(self.lm_head.data, quant_linear.HEAD_AS_STORED)
             self.lm_head.data = self.lm_head.data.to(self.dtype)
             self.embed_tokens.data = self.embed_tokens.data.to(self.dtype)  # the same tensor when tied
         if self.lm_head_stored is not None:
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.HEAD_AS_STORED)
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), quant_linear.HEAD_AS_STORED)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
@@ -246,8 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q).float()
             if self.lm_head_stored is not None:
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_stored, None, self.lm_head,
-                                           self._cpu_linear).float()
-            return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head).float()
+                                           self._cpu_linear, self.lm_head_packed).float()
+            return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head, None, self.lm_head_packed).float()
 
     # ---- weights -------------------------------------------------------
 
@@ -302,6 +304,17 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint is missing tensors: {shown}")
         if self.quantization != "none":
             self.quantize()
+        self.pack_weights()
+
+    def pack_weights(self) -> None:
+        """oneDNN's packed copies of the float weights, where they pay
+        (`cpu_linear.pack`): the last step of loading, once the weights are
+        final."""
+        with torch.no_grad():
+            for linear in self.packed_linears().values():
+                linear.pack()
+            if self.lm_head is not None:
+                self.lm_head_packed = cpu_linear.pack(self.lm_head.data)
 
     def quantize(self) -> None:
         """Quantizes every packed linear and the LM head from their float32

@@ -202,12 +202,14 @@ def quantize_exactly(weight: torch.Tensor, method: str) -> QuantizedWeight | Non
 
 
 def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-           float_weight: torch.Tensor | None = None, float_kernel=None) -> torch.Tensor:
+           float_weight: torch.Tensor | None = None, float_kernel=None,
+           float_packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ dequant(weight)^T (+ bias) -> [T, N] in x's dtype: by the
     kernel for up to `row_limit` rows when it takes the tensors. Larger calls
     (`kernel` None: every call) go to `float_weight`, the same values kept
     in x's dtype (quantization "auto"), through cpu_linear with
-    `float_kernel`, or without it to the torch twin."""
+    `float_kernel` and `float_packed` (`cpu_linear.pack` of it), or without
+    it to the torch twin."""
     beside_float = weight_format(weight) if float_weight is not None else None
     if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads(),
                                                                             beside_float):
@@ -215,7 +217,7 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
         if weight.run_kernel(kernel, x, bias, out):
             return out
     if float_weight is not None:
-        return cpu_linear.linear(float_kernel, x, float_weight, bias)
+        return cpu_linear.linear(float_kernel, x, float_weight, bias, float_packed)
     return twin(x, weight, bias)
 
 
@@ -240,9 +242,11 @@ def row_limit(dtype: torch.dtype, threads: int, beside_float: str | None = None)
                                            lambda x, i: twin(x, quantized[i]))
     quantized = [quantize(w, beside_float) for w in weights]
     float_weights, float_kernel = [w.to(dtype) for w in weights], cpu_linear.load_kernel()
+    packed = [cpu_linear.pack(w) for w in float_weights]
     return cpu_linear.calibrated_limit(f"CPU {beside_float} kernel beside float weights", dtype, threads,
                                        lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
-                                       lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i]))
+                                       lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i],
+                                                                      None, packed[i]))
 
 
 def twin(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

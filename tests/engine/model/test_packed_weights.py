@@ -1,0 +1,159 @@
+"""oneDNN's packed bfloat16 weights (`cpu_linear.pack`): the product against
+a float64 reference and F.linear, when packing is decided, and the model
+multiplying by its packed copies as by its plain weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.model import cpu_linear, quant_linear
+from engine.model.llama import LlamaForCausalLM
+from tests.engine.model.test_cpu_linear import _case as bf16_case
+from tests.engine.model.test_llama import PagedRunner, random_tokens, tiny_config
+
+HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960  # SmolLM2-135M
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def packing(monkeypatch):
+    """Sets LORAGW_CPU_PACKED_WEIGHTS ("0", "1", or None: unset) for one test."""
+
+    def set_to(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(cpu_linear.PACK_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_linear.PACK_ENV, value)
+        cpu_linear.packing_pays.cache_clear()
+
+    yield set_to
+    cpu_linear.packing_pays.cache_clear()
+
+
+def _case(rows: int, n: int, k: int, seed: int, bias: bool):
+    """(x, w, b, the float64 product) in bfloat16, as the skinny kernel's tests make them."""
+    return bf16_case(rows, n, k, BF16, seed, bias)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 130])
+@pytest.mark.parametrize("shape", [(QKV, HIDDEN), (HIDDEN, INTERMEDIATE), (2 * INTERMEDIATE, HIDDEN)],
+                         ids=["qkv", "down", "gate_up"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_the_packed_product_matches_the_reference(packing, rows, shape, bias):
+    packing("1")
+    x, w, b, expected = _case(rows, *shape, seed=rows, bias=bias)
+    packed = cpu_linear.pack(w)
+    assert packed is not None and packed.is_mkldnn
+    got = cpu_linear.linear(None, x, w, b, packed)
+    assert got.dtype == BF16 and got.shape == (rows, shape[0])
+    # float32 sums rounded once to bfloat16: within a bfloat16 rounding of the
+    # exact product, and of F.linear's result.
+    torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=2e-2, rtol=1e-2)
+    # It is the packed copy that is multiplied, not the weight beside it.
+    torch.testing.assert_close(cpu_linear.linear(None, x, torch.zeros_like(w), b, packed), got, atol=0, rtol=0)
+
+
+def test_a_strided_input_multiplies_as_a_contiguous_one(packing):
+    packing("1")
+    x, w, _, expected = _case(6, QKV, HIDDEN, seed=9, bias=False)
+    wide = torch.zeros(6, 2 * HIDDEN, dtype=BF16)
+    wide[:, :HIDDEN] = x
+    packed = cpu_linear.pack(w)
+    assert torch.equal(cpu_linear.linear(None, wide[:, :HIDDEN], w, None, packed),
+                       cpu_linear.linear(None, x, w, None, packed))
+
+
+def test_only_bfloat16_on_the_cpu_is_packed(packing):
+    packing("1")
+    w = torch.randn(64, 32)
+    assert not cpu_linear.packing_pays(torch.float32, torch.get_num_threads())
+    assert cpu_linear.pack(w) is None  # float32: MKL's GEMM, as HF's
+    assert cpu_linear.pack(w.to(BF16)) is not None
+    assert cpu_linear.pack(torch.randn(4, 64, 32).to(BF16)) is None  # not a weight matrix
+
+
+def test_the_environment_decides_when_set(packing, monkeypatch):
+    def no_measuring(*_):
+        raise AssertionError("measured although the environment decides")
+
+    monkeypatch.setattr(cpu_linear, "best_of", no_measuring)
+    w = torch.randn(64, 32).to(BF16)
+    packing("0")
+    assert cpu_linear.pack(w) is None
+    packing("1")
+    assert cpu_linear.pack(w) is not None
+    packing("yes")
+    with pytest.raises(ValueError, match=cpu_linear.PACK_ENV):
+        cpu_linear.pack(w)
+
+
+@pytest.mark.parametrize("timings,pays", [
+    ({16: (1.0, 2.0), 128: (1.0, 2.0)}, True),
+    ({16: (1.0, 2.0), 128: (2.5, 2.0)}, False),  # slower at prefill size
+    ({16: (2.0, 2.0), 128: (1.0, 2.0)}, False),  # no faster at a decode batch
+])
+def test_unset_it_packs_where_the_packed_product_wins_at_every_calibration_size(packing, monkeypatch,
+                                                                               timings, pays):
+    packing(None)
+    measured = []
+
+    def best_of(run_packed, run_plain, copies):
+        rows = cpu_linear.PACK_CALIBRATION_ROWS[len(measured)]
+        measured.append((rows, copies))
+        run_packed(0), run_plain(0)  # both paths run on the calibration weights
+        return timings[rows]
+
+    monkeypatch.setattr(cpu_linear, "best_of", best_of)
+    assert cpu_linear.packing_pays(BF16, torch.get_num_threads()) is pays
+    assert measured == [(rows, cpu_linear.copies_for(rows)) for rows in cpu_linear.PACK_CALIBRATION_ROWS]
+
+
+def test_the_quantized_path_hands_its_larger_calls_to_the_packed_copy(packing):
+    packing("1")
+    x, w, _, expected = _case(40, QKV, HIDDEN, seed=4, bias=False)
+    qweight = quant_linear.quantize(w.float(), quant_linear.AS_STORED)
+    exact = qweight.dequantize(BF16)
+    packed = cpu_linear.pack(exact)
+    got = quant_linear.linear(None, x, qweight, None, exact, None, packed)
+    assert torch.equal(got, cpu_linear.linear(None, x, exact, None, packed))
+    torch.testing.assert_close(got.double(), x.double() @ exact.double().T, atol=3e-2, rtol=1e-2)
+
+
+def _model(config, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    ours = LlamaForCausalLM(config, TorchAttentionBackend(), BF16, torch.device("cpu"))
+    ours.load_weights(hf.state_dict().items())
+    return ours
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_model_packs_every_float_weight_and_computes_as_without(packing, kernel_rows, tied):
+    """Each projection and the LM head get their packed copy when the
+    weights are loaded, and a prefill chunk and a decode give the logits of
+    the model without them (the skinny kernels kept out: every call goes to
+    torch, packed or not)."""
+    kernel_rows("0")
+    config = tiny_config(tie_word_embeddings=tied)
+    tokens = random_tokens(24, seed=3)
+    logits = {}
+    for setting in ("1", "0"):
+        packing(setting)
+        model = _model(config, seed=1)
+        linears = list(model.packed_linears().values())
+        if setting == "1":
+            assert all(p.packed is not None and p.packed.is_mkldnn for p in linears)
+            assert model.lm_head_packed is not None
+        else:
+            assert all(p.packed is None for p in linears) and model.lm_head_packed is None
+        runner = PagedRunner(model, config, block_size=4)
+        logits[setting] = torch.cat([runner.step([(0, tokens[:20])])[0], runner.step([(0, tokens[20:21])])[0]])
+    torch.testing.assert_close(logits["1"], logits["0"], atol=5e-2, rtol=5e-2)
+    assert torch.equal(logits["1"].argmax(-1), logits["0"].argmax(-1))
