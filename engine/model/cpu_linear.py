@@ -33,11 +33,11 @@ match it to float32 rounding, not bit for bit.
 
 The calls past the kernel's limit go to torch. In bfloat16 that is oneDNN,
 and F.linear hands oneDNN the plain row-major weight, which it reorders into
-its blocked layout on every call: on a 2-core Intel Xeon with AMX the
-reorder cost more than the product, 145 to 240 us a gate_proj call at 1 to
-64 rows. `pack` keeps that reordered copy beside the weight, made once at
-load, and `linear` hands it to oneDNN's own linear op: 58 to 105 us there,
-the same values (`benchmarks/quant_linear.py`, docs/benchmarks.md). Whether
+its blocked layout on every call: on a 2-core Intel Xeon with AMX a
+gate_proj call took 192 to 271 us at 1 to 64 rows. `pack` keeps that
+reordered copy beside the weight, made once at load, and `linear` hands it
+to oneDNN's own linear op: 135 to 169 us there, the same values
+(`benchmarks/quant_linear.py`, docs/benchmarks.md). Whether
 it pays is measured once per process (`packing_pays`); only bfloat16 is
 packed, since float32's torch path is MKL's GEMM, which the exactness tests
 compare with HF's, and oneDNN's float32 product rounds otherwise. The copy
