@@ -121,8 +121,10 @@ def packing_pays(dtype: torch.dtype, threads: int) -> bool:
     """Whether bfloat16 weights are worth packing with `threads` torch
     threads: LORAGW_CPU_PACKED_WEIGHTS when set ("0" or "1"), else measured
     on the calibration weights, the packed product against F.linear at each
-    of PACK_CALIBRATION_ROWS. Never for another dtype, nor without oneDNN."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    of PACK_CALIBRATION_ROWS. Never for another dtype, nor without oneDNN
+    and its two private ops (a torch other than the one we pin may lack
+    them)."""
+    if dtype != torch.bfloat16 or not packing_ops_available():
         return False
     env = os.environ.get(PACK_ENV)
     if env:
@@ -159,6 +161,15 @@ def row_limit(dtype: torch.dtype, threads: int) -> int:
     return calibrated_limit("CPU linear kernel", dtype, threads,
                             lambda x, out, i: kernel.skinny_linear(x, weights[i], None, out),
                             lambda x, i: linear(None, x, weights[i], None, packed[i]))
+
+
+def packing_ops_available() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    found = all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+    if not found:
+        log.warning("this torch lacks oneDNN's packed linear ops: bfloat16 weights are not packed")
+    return found
 
 
 def env_row_limit() -> int | None:

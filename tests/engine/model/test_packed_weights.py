@@ -94,6 +94,17 @@ def test_the_environment_decides_when_set(packing, monkeypatch):
         cpu_linear.pack(w)
 
 
+def test_a_torch_without_the_packed_ops_does_not_pack(packing, monkeypatch, caplog):
+    packing("1")
+
+    class NoOps:
+        pass
+
+    monkeypatch.setattr(torch.ops, "mkldnn", NoOps())
+    assert cpu_linear.pack(torch.randn(64, 32).to(BF16)) is None
+    assert "lacks oneDNN's packed linear ops" in caplog.text
+
+
 @pytest.mark.parametrize("timings,pays", [
     ({16: (1.0, 2.0), 128: (1.0, 2.0)}, True),
     ({16: (1.0, 2.0), 128: (2.5, 2.0)}, False),  # slower at prefill size
