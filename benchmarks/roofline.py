@@ -5,9 +5,10 @@ Every matmul one token meets (each layer's packed projections and the LM
 head) runs on the model's real weights, in their dtype, at a fixed number
 of tokens per step, by the path the engine takes for a call that size:
 oneDNN's packed copy of a weight where the model keeps one
-(engine/model/cpu_linear.py, `pack`), else F.linear. Nothing else (attention, norms, sampling, Python) is
-counted, so an engine's throughput over this figure says how much of the
-step time goes to the work that cannot be avoided.
+(engine/model/cpu_linear.py, `pack`), else F.linear. Nothing else
+(attention, norms, sampling, Python) is counted, so an engine's throughput
+over this figure says how much of the step time goes to the work that
+cannot be avoided.
 
 On a shared host the figure moves with the load, so a benchmark samples it
 *during* its own run (`LinearRoofline.sample` between engine steps) and
