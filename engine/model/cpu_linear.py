@@ -36,8 +36,8 @@ and F.linear hands oneDNN the plain row-major weight, which it reorders into
 its blocked layout on every call: on a 2-core Intel Xeon with AMX a
 gate_proj call took 192 to 271 us at 1 to 64 rows. `pack` keeps that
 reordered copy beside the weight, made once at load, and `linear` hands it
-to oneDNN's own linear op: 135 to 169 us there, the same values
-(`benchmarks/quant_linear.py`, docs/benchmarks.md). Whether
+to oneDNN's own linear op: 135 to 169 us there, with values that equalled
+F.linear's in our checks (`benchmarks/quant_linear.py`, docs/benchmarks.md). Whether
 it pays is measured once per process (`packing_pays`); only bfloat16 is
 packed, since float32's torch path is MKL's GEMM, which the exactness tests
 compare with HF's, and oneDNN's float32 product rounds otherwise. The copy
