@@ -91,7 +91,7 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
         "int4_twin": lambda x, i: quant_linear.twin(x, q4[i]),
     }
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_ROWS_HINT) for w in weights]
+        packed = [cpu_linear.packed_copy(w) for w in weights]
         paths["float_packed"] = lambda x, i: cpu_linear.linear(None, x, weights[i], None, packed[i])
     for name, mods in torchao_linears(weights, dtype).items():
         paths[name] = lambda x, i, mods=mods: mods[i](x)

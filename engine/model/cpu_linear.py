@@ -118,7 +118,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     change `weight` afterwards: the copy would not follow."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not packing_pays(weight.dtype, torch.get_num_threads()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    return packed_copy(weight.detach())
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a bfloat16 `weight` [N, K], whether or not it pays."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
 
 
 @functools.cache
@@ -138,12 +143,12 @@ def packing_pays(dtype: torch.dtype, threads: int) -> bool:
         return env == "1"
     t0 = time.perf_counter()
     weights = calibration_weights(dtype)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
+    packed = [packed_copy(w) for w in weights]
     timings = {}
     for rows in PACK_CALIBRATION_ROWS:
         x = torch.randn(rows, CALIBRATION_SHAPE[1], generator=torch.Generator().manual_seed(2)).to(dtype)
         timings[rows] = best_of(
-            lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
+            lambda i: linear(None, x, weights[i], None, packed[i]),
             lambda i: F.linear(x, weights[i]), copies_for(rows))
     (decode_packed, decode_plain), (prefill_packed, prefill_plain) = (timings[r] for r in PACK_CALIBRATION_ROWS)
     pays = prefill_packed < prefill_plain and decode_packed <= decode_plain * PACK_DECODE_SLACK

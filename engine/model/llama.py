@@ -233,14 +233,13 @@ class LlamaForCausalLM(nn.Module):
                 linear.keep(qweight)
         self.as_stored = bool(stored)
         if self.as_stored:
-            # Positional, as `quant_linear.linear` calls it: the cache would take a keyword for another key.
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), quant_linear.AS_STORED)
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.AS_STORED)
         with torch.no_grad():
             self.lm_head_stored = quant_linear.quantize_exactly(self.lm_head.data, quant_linear.HEAD_AS_STORED)
             self.lm_head.data = self.lm_head.data.to(self.dtype)
             self.embed_tokens.data = self.embed_tokens.data.to(self.dtype)  # the same tensor when tied
         if self.lm_head_stored is not None:
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), quant_linear.HEAD_AS_STORED)
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.HEAD_AS_STORED)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():

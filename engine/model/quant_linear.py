@@ -212,7 +212,7 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     it to the torch twin."""
     beside_float = weight_format(weight) if float_weight is not None else None
     if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads(),
-                                                                            beside_float):
+                                                                            beside_float=beside_float):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
             return out
@@ -226,7 +226,7 @@ def weight_format(weight: QuantizedWeight) -> str:
 
 
 @functools.cache
-def row_limit(dtype: torch.dtype, threads: int, beside_float: str | None = None) -> int:
+def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = None) -> int:
     """The most token rows the quantized kernel takes on this host, measured
     as cpu_linear.row_limit: int8 against the twin it replaces, or, with
     `beside_float` a format (quantization "auto"), that format's kernel
