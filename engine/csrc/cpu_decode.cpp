@@ -259,10 +259,14 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
     seqs.rows_at(v_cache, s, j0, count, vrows);
     // Blocks sit anywhere in the cache, and each is only a few KiB, so the
     // hardware prefetcher has little to go on: ask for the next tile's rows
-    // into L2 now, a third of them before each KV head's work so that the
-    // requests do not all queue at once. (Into L1, or two tiles ahead, was
-    // slower; without it the kernel read ~10 GB/s on a 2-core AMD EPYC
-    // whose cores stream 30: docs/engine.md.)
+    // into L2 during this one. The requests are spread thinly: each query
+    // head asks for its share of the K rows before its scores and of the V
+    // rows after them. Requests that bunch up stall the loads the work
+    // itself needs (a core has only so many misses in flight): a third of
+    // the rows before each KV head's work, the spread before this one, was
+    // 1.2-1.4x slower on a 2-core Zen 4; all at once, slower still; into
+    // L1, two tiles ahead, or every other line, slower too; none at all,
+    // 1.6x slower (docs/engine.md, "Decode attention in one pass").
     const int64_t next_count = std::min<int64_t>(kLanes, std::max<int64_t>(0, it.end - j0 - kLanes));
     if (next_count) {
       seqs.rows_at(k_cache, s, j0 + kLanes, next_count, next_k);
@@ -271,14 +275,13 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
     const i32x16 valid = lane < static_cast<int32_t>(count);
     for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
       const int64_t kv_offset = kv * seqs.head_dim;
-      for (int64_t t = kv * next_count / seqs.num_kv_heads; t < (kv + 1) * next_count / seqs.num_kv_heads; ++t) {
-        prefetch_l2(next_k[t], row_bytes);
-        prefetch_l2(next_v[t], row_bytes);
-      }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
-        const f32x16 p = softmax_step<CT>(st, h, tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale,
-                                          valid, C);
+        const int64_t t0 = h * next_count / num_heads, t1 = (h + 1) * next_count / num_heads;
+        for (int64_t t = t0; t < t1; ++t) prefetch_l2(next_k[t], row_bytes);
+        const f32x16 scores = tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale;
+        for (int64_t t = t0; t < t1; ++t) prefetch_l2(next_v[t], row_bytes);
+        const f32x16 p = softmax_step<CT>(st, h, scores, valid, C);
         std::memcpy(probs[g], &p, sizeof p);
       }
       tile_values<T, CT>(st, kv * group, group, probs, vrows, kv_offset, count, C);
