@@ -262,11 +262,10 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
     // into L2 during this one. The requests are spread thinly: each query
     // head asks for its share of the K rows before its scores and of the V
     // rows after them. Requests that bunch up stall the loads the work
-    // itself needs (a core has only so many misses in flight): a third of
-    // the rows before each KV head's work, the spread before this one, was
-    // 1.2-1.4x slower on a 2-core Zen 4; all at once, slower still; into
-    // L1, two tiles ahead, or every other line, slower too; none at all,
-    // 1.6x slower (docs/engine.md, "Decode attention in one pass").
+    // itself needs (a core has only so many misses in flight). On a 2-core
+    // Zen 4 the spread before this one (a third of the rows before each KV
+    // head's work) was 1.2-1.4x slower, and other ways of asking slower
+    // still (docs/engine.md, "Decode attention in one pass").
     const int64_t next_count = std::min<int64_t>(kLanes, std::max<int64_t>(0, it.end - j0 - kLanes));
     if (next_count) {
       seqs.rows_at(k_cache, s, j0 + kLanes, next_count, next_k);
