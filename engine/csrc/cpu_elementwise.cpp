@@ -24,8 +24,6 @@ __m256 Sleef_expf8_u10(__m256);
 
 namespace {
 
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
 // Rows per thread: a row of a few hundred values is ~100 ns of work, less
 // than a parallel region costs.
 constexpr int64_t kGrainRows = 64;
@@ -49,11 +47,7 @@ inline void for_rows(int64_t rows, int64_t row_values, int64_t grain, int64_t se
 template <typename T> inline f32x16 round_to(f32x16 v);
 template <> inline f32x16 round_to<float>(f32x16 v) { return v; }
 template <> inline f32x16 round_to<c10::BFloat16>(f32x16 v) {
-  u32x16 u;
-  std::memcpy(&u, &v, sizeof u);
-  const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 nan = u32x16{} + 0x7FC00000u;  // c10 turns every NaN into this one
-  u = (v != v) ? nan : rounded;
+  const u32x16 u = bf16_rounded_bits(v);
   f32x16 out;
   std::memcpy(&out, &u, sizeof out);
   return out;

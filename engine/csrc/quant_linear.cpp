@@ -394,11 +394,22 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
     }
     f32x16 lanes[kLanes];
     std::memcpy(lanes, acc, sizeof lanes);
-    float sums[kLanes];
-    store16(sums, sum_each(lanes));
-    for (int jj = 0; jj < JB; ++jj)
-      for (int kk = 0; kk < KW && r0 + kk < nr; ++kk)
-        y[jj * y_stride + r0 + kk] = static_cast<c10::BFloat16>(sums[jj * KW + kk]);
+    // One instruction rounds the 16 sums (to nearest even, as c10; it reads
+    // a float32 denormal as zero, where c10 keeps a bfloat16 denormal): at
+    // 16-32 rows, c10's conversion one sum at a time took a sixth of the
+    // call, and store16's portable rounding ~6% more than this.
+    const f32x16 summed = sum_each(lanes);
+    __m512 sums_ps;
+    std::memcpy(&sums_ps, &summed, sizeof sums_ps);
+    const __m256bh rounded = _mm512_cvtneps_pbh(sums_ps);
+    c10::BFloat16 sums[kLanes];
+    std::memcpy(sums, &rounded, sizeof sums);
+    if (r0 + KW <= nr) {  // a fixed-size copy a row; a group past nr drops its repeated rows
+      for (int jj = 0; jj < JB; ++jj) std::memcpy(y + jj * y_stride + r0, sums + jj * KW, sizeof sums[0] * KW);
+    } else {
+      for (int jj = 0; jj < JB; ++jj)
+        for (int kk = 0; r0 + kk < nr; ++kk) y[jj * y_stride + r0 + kk] = sums[jj * KW + kk];
+    }
   }
 }
 

@@ -70,10 +70,25 @@ inline f32x16 load16(const c10::BFloat16* p) { return load_lanes<16>(p); }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef Lanes<16>::u16 u16x16;
+
+// Each lane's float32 bits rounded to bfloat16 as c10 rounds a float (to
+// nearest, ties to even; every NaN to 0x7FC0), the result in the top half of
+// each lane. c10's own conversion is scalar: a bfloat16 store of 16 sums
+// lane by lane took a sixth of a skinny linear's time at 16-32 rows.
+inline u32x16 bf16_rounded_bits(f32x16 v) {
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof u);
+  const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (v != v) ? u32x16{} + 0x7FC00000u : rounded;
+}
+
+inline u16x16 to_bf16(f32x16 v) { return __builtin_convertvector(bf16_rounded_bits(v) >> 16, u16x16); }
+
 inline void store16(c10::BFloat16* p, f32x16 v) {  // rounds to nearest even, as torch does
-  float lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof lanes);
-  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
+  const u16x16 h = to_bf16(v);
+  std::memcpy(p, &h, sizeof h);
 }
 
 // out[j, c] += bias[c] for the m token rows and the weight-row tile c0 ..
