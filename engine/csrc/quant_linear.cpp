@@ -394,10 +394,10 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
     }
     f32x16 lanes[kLanes];
     std::memcpy(lanes, acc, sizeof lanes);
-    // One instruction rounds the 16 sums (to nearest even, as c10; it reads
-    // a float32 denormal as zero, where c10 keeps a bfloat16 denormal): at
-    // 16-32 rows, c10's conversion one sum at a time took a sixth of the
-    // call, and store16's portable rounding ~6% more than this.
+    // One instruction rounds the 16 sums (to nearest even, as c10, but it
+    // flushes denormals to zero where c10 keeps them): at 16-32 rows, c10's
+    // conversion one sum at a time took a sixth of the call, and store16's
+    // portable rounding ~6% more than this.
     const f32x16 summed = sum_each(lanes);
     __m512 sums_ps;
     std::memcpy(&sums_ps, &summed, sizeof sums_ps);

@@ -75,8 +75,9 @@ typedef Lanes<16>::u16 u16x16;
 
 // Each lane's float32 bits rounded to bfloat16 as c10 rounds a float (to
 // nearest, ties to even; every NaN to 0x7FC0), the result in the top half of
-// each lane. c10's own conversion is scalar: a bfloat16 store of 16 sums
-// lane by lane took a sixth of a skinny linear's time at 16-32 rows.
+// each lane. c10's own conversion is scalar: rounding a register tile's 16
+// sums with it one at a time took a sixth of a Q4_1 call at 16-32 rows
+// (engine/csrc/quant_linear.cpp).
 inline u32x16 bf16_rounded_bits(f32x16 v) {
   u32x16 u;
   std::memcpy(&u, &v, sizeof u);
