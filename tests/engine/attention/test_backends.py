@@ -1,24 +1,25 @@
 """Every attention backend against the naive reference, on hand-built batches.
 
-The Triton kernel runs under the interpreter here; TRITON_INTERPRET must be
-set before anything imports triton, hence the first lines of this module.
+Without a GPU the Triton kernel runs under the interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1 before anything imports triton). With one, both
+backends run on CUDA tensors and the reference stays on the CPU.
 """
 
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from engine.attention.base import AttentionBackend, AttentionMetadata  # noqa: E402
-from tests.engine.attention.naive import naive_paged_attention  # noqa: E402
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from tests.engine.attention.naive import naive_paged_attention
 
 BACKENDS = ["torch", "triton"]
+DEVICE = torch.device(
+    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+)
 TOLERANCE = {  # (atol, rtol) against the float64 reference
     torch.float32: (1e-5, 1e-5),
     torch.bfloat16: (2e-2, 2e-2),
@@ -31,7 +32,7 @@ def _get_backend(name: str) -> AttentionBackend:
 
     if name == "triton":
         pytest.importorskip("triton")
-    return get_attention_backend(name, torch.device("cpu"))
+    return get_attention_backend(name, DEVICE)
 
 
 @dataclass
@@ -109,20 +110,20 @@ def make_case(
     for q in query_lens:
         starts.append(starts[-1] + q)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(padded, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=DEVICE),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
         block_size=block_size,
     )
     return Case(
-        query=torch.randn(len(slots), num_heads, head_dim, generator=gen).to(dtype),
-        key=torch.stack(new_k).to(dtype),
-        value=torch.stack(new_v).to(dtype),
-        k_cache=k_cache.to(dtype),
-        v_cache=v_cache.to(dtype),
+        query=torch.randn(len(slots), num_heads, head_dim, generator=gen).to(DEVICE, dtype),
+        key=torch.stack(new_k).to(DEVICE, dtype),
+        value=torch.stack(new_v).to(DEVICE, dtype),
+        k_cache=k_cache.to(DEVICE, dtype),
+        v_cache=v_cache.to(DEVICE, dtype),
         meta=meta,
         block_tables=tables,
         slots=slots,
@@ -136,22 +137,22 @@ def check_backend(backend: AttentionBackend, case: Case) -> None:
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out = backend.forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, scale)
     ref_out, ref_k, ref_v = naive_paged_attention(
-        case.query,
-        case.key,
-        case.value,
-        case.k_cache,
-        case.v_cache,
+        case.query.cpu(),
+        case.key.cpu(),
+        case.value.cpu(),
+        case.k_cache.cpu(),
+        case.v_cache.cpu(),
         case.block_tables,
         case.slots,
         case.meta.seq_lens_host,
         case.meta.query_lens_host,
         scale,
     )
-    assert torch.equal(k_cache, ref_k), "K cache differs from the step's writes"
-    assert torch.equal(v_cache, ref_v), "V cache differs from the step's writes"
-    assert out.shape == case.query.shape and out.dtype == dtype
+    assert torch.equal(k_cache.cpu(), ref_k), "K cache differs from the step's writes"
+    assert torch.equal(v_cache.cpu(), ref_v), "V cache differs from the step's writes"
+    assert out.shape == case.query.shape and out.dtype == dtype and out.device == case.query.device
     atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=atol, rtol=rtol)
 
 
 SCENARIOS = {
@@ -245,7 +246,8 @@ def test_engine_on_the_triton_path_matches_the_torch_path(tiny_llama_dir):
     prompts = ["The quick brown fox jumps over the lazy dog", "Hi"]
     results = [
         [o.outputs[0].token_ids for o in
-         LLM(str(tiny_llama_dir), attention_backend=name, max_num_batched_tokens=8).generate(prompts, params)]
+         LLM(str(tiny_llama_dir), attention_backend=name, max_num_batched_tokens=8, device=DEVICE.type,
+             dtype="float32").generate(prompts, params)]
         for name in ("torch", "triton")
     ]
     assert results[0] == results[1]
