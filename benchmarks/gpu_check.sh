@@ -67,7 +67,8 @@ fi
 
 echo "== tests: Triton kernels and the engine on CUDA"
 timeout 300 $PY -m pytest -q -p no:cacheprovider "${PYTEST_MARKS[@]}" -rfEs \
-    tests/engine/attention/test_backends.py tests/adapters/ops/test_sgmv.py tests/engine/test_cuda.py \
+    tests/engine/attention/test_backends.py tests/adapters/ops/test_sgmv.py \
+    tests/engine/model/test_triton_elementwise.py tests/engine/test_cuda.py \
     2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit ${PIPESTATUS[0]}"
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.model import cpu_elementwise, cpu_linear, quant_linear
+from engine.model import cpu_elementwise, cpu_linear, quant_linear, triton_elementwise
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -32,7 +32,8 @@ def load_param(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
 
 
 class RMSNorm(nn.Module):
-    """On the CPU by one C++ call (engine/model/cpu_elementwise.py), else by
+    """On the CPU by one C++ call (engine/model/cpu_elementwise.py), on a GPU
+    by one Triton launch (engine/model/triton_elementwise.py), else by
     `twin`, HF's op order."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
@@ -40,21 +41,25 @@ class RMSNorm(nn.Module):
         self.weight = empty_param((hidden_size,), dtype, device)
         self.eps = eps
         self.kernel = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
+        self.gpu_kernel = torch.device(device).type == "cuda" and triton_elementwise.available()
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        if self.kernel is not None:
+            return cpu_elementwise.rms_norm(self.kernel, x, self.weight, self.eps, residual)
+        if self.gpu_kernel:
+            return triton_elementwise.rms_norm(x, self.weight, self.eps, residual)
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            out = cpu_elementwise.rms_norm(self.kernel, x, self.weight, self.eps)
-            if out is not None:
-                return out
-        return self.twin(x)
+        out = self._kernel(x)
+        return self.twin(x) if out is None else out
 
     def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, its norm): the decoder layer's residual add and the
         norm after it in one call. The sum may be written into `x`."""
-        if self.kernel is not None:
-            out = cpu_elementwise.rms_norm(self.kernel, x, self.weight, self.eps, residual)
-            if out is not None:
-                return x, out
+        out = self._kernel(x, residual)
+        if out is not None:
+            return x, out
         total = residual + x
         return total, self.twin(total)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.model import cpu_elementwise, cpu_linear, quant_linear
+from engine.model import cpu_elementwise, cpu_linear, quant_linear, triton_elementwise
 from engine.model.layers import PackedLinear, RMSNorm, empty_param, load_param
 from engine.model.rope import RotaryEmbedding, apply_rotary, head_dim_of
 
@@ -57,6 +57,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = PackedLinear(q_size, (("o", config.hidden_size),), bias, dtype, device, quantized)
         self.elementwise = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
+        self.gpu_elementwise = torch.device(device).type == "cuda" and triton_elementwise.available()
 
     def forward(
         self,
@@ -71,7 +72,11 @@ class LlamaAttention(nn.Module):
         # q and k heads sit side by side in qkv: rotate them in one pass
         # (elementwise, so bit-identical to rotating each on its own).
         qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        rotated = None if self.elementwise is None else cpu_elementwise.rotary(self.elementwise, qk, cos, sin)
+        rotated = None
+        if self.elementwise is not None:
+            rotated = cpu_elementwise.rotary(self.elementwise, qk, cos, sin)
+        elif self.gpu_elementwise:
+            rotated = triton_elementwise.rotary(qk, cos, sin)
         if rotated is None:
             rotated = apply_rotary(qk, cos, sin)
         q, k = rotated.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -94,10 +99,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = PackedLinear(size, (("down", config.hidden_size),), bias, dtype, device, quantized)
         self.intermediate_size = size
         self.elementwise = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
+        self.gpu_elementwise = torch.device(device).type == "cuda" and triton_elementwise.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = None if self.elementwise is None else cpu_elementwise.silu_mul(self.elementwise, gate_up)
+        act = None
+        if self.elementwise is not None:
+            act = cpu_elementwise.silu_mul(self.elementwise, gate_up)
+        elif self.gpu_elementwise:
+            act = triton_elementwise.silu_mul(gate_up)
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up

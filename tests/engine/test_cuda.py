@@ -1,5 +1,5 @@
 """The whole engine on a CUDA GPU: greedy output equals HF transformers and
-peft, through the Triton attention and SGMV kernels.
+peft, through the Triton attention, SGMV, norm, rotary and SiLU kernels.
 
 CI has no GPU, so this module skips there. `benchmarks/gpu_check.sh` runs it
 on one, beside the kernel tests (tests/engine/attention/test_backends.py and
@@ -40,6 +40,8 @@ def _cuda_llm(model_dir, **knobs) -> LLM:
     # "auto" must have picked the GPU kernels, or this proves nothing about them.
     assert isinstance(runner.attn_backend, TritonAttentionBackend), type(runner.attn_backend)
     assert next(runner.model.parameters()).is_cuda
+    layer = runner.model.layers[0]
+    assert layer.mlp.gpu_elementwise and layer.self_attn.gpu_elementwise and layer.input_layernorm.gpu_kernel
     return llm
 
 

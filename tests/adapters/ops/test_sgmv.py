@@ -9,8 +9,6 @@ interpreter, the same tests run the real kernels on CUDA tensors.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from adapters.errors import AdapterError
 from adapters.ops import LoraOps, build_sgmv_meta, get_lora_ops
 from tests.adapters.ops.naive import naive_expand, naive_shrink, per_token_slots
+from tests.without_triton import assert_runs_without_triton
 
 BACKENDS = ["torch", "triton"]
 DEVICE = torch.device(
@@ -354,17 +353,9 @@ def test_registry_picks_backends():
 
 
 def test_importing_adapters_ops_does_not_import_triton():
-    code = (
-        "import sys\n"
-        "sys.modules['triton'] = None  # any 'import triton' now raises ImportError\n"
+    assert_runs_without_triton(
         "import torch, adapters.ops, adapters.ops.meta, adapters.ops.base\n"
         "ops = adapters.ops.get_lora_ops('auto', torch.device('cpu'))\n"
         "meta = adapters.ops.build_sgmv_meta([2], [0], 'cpu')\n"
         "ops.shrink(torch.ones(2, 4), torch.ones(1, 3, 4), meta, torch.empty(2, 3))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], check=False, cwd=root, env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr

@@ -6,8 +6,6 @@ backends run on CUDA tensors and the reference stays on the CPU.
 """
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from tests.engine.attention.naive import naive_paged_attention
+from tests.without_triton import assert_runs_without_triton
 
 BACKENDS = ["torch", "triton"]
 DEVICE = torch.device(
@@ -254,9 +253,7 @@ def test_engine_on_the_triton_path_matches_the_torch_path(tiny_llama_dir):
 
 
 def test_importing_engine_attention_does_not_import_triton():
-    code = (
-        "import sys\n"
-        "sys.modules['triton'] = None  # any 'import triton' now raises ImportError\n"
+    assert_runs_without_triton(
         "import engine.attention, engine.attention.base\n"
         "assert 'triton.language' not in sys.modules\n"
         "get = getattr(engine.attention, 'get_attention_backend', None)\n"
@@ -264,7 +261,3 @@ def test_importing_engine_attention_does_not_import_triton():
         "    import torch\n"
         "    get('torch', torch.device('cpu'))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
