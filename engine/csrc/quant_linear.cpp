@@ -433,6 +433,52 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
 }
 #endif
 
+#ifdef __AVX512F__
+// Float32 activations on AVX-512, more than kF32TileRows token rows. The
+// loop above widens each weight vector once per 4 token rows (a nibble
+// unpack, a conversion, a multiply and an add before 4 FMAs), so from ~16
+// rows it lost to MKL reading 7x the bytes. Here a thread widens each 16-row
+// tile of the weight once, into float32, and runs the same loop over the
+// tile: the same values in the same order, so every sum is bit for bit the
+// loop's, whatever the row count (the token rows of a verifying sequence
+// score as its one-row decode does).
+constexpr int64_t kF32TileRows = 4;
+
+template <typename Rows>
+struct F32Tile {  // rows n0 .. n0 + kRowTile of `rows`, widened once
+  const float* tile;
+  int64_t n0, k;
+  const Rows& rows;
+  fvec load(int64_t n, int64_t h) const { return load_lanes<kVec>(tile + (n - n0) * k + h); }
+  float finish(int64_t n, float dot) const { return rows.finish(n, dot); }
+};
+
+template <typename Rows>
+void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
+               const float* bias, float* out, int64_t out_stride) {
+  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(kRowTile * k);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t h = 0; h < k; h += kVec) {
+          const fvec w = rows.load(n0 + r, h);
+          std::memcpy(tile.data() + r * k + h, &w, sizeof w);
+        }
+      const F32Tile<Rows> widened{tile.data(), n0, k, rows};
+      int64_t j = 0;
+      for (; j + 4 <= m; j += 4)
+        dot_rows_q<float, 4, kTileRowsX4>(x + j * x_stride, x_stride, widened, n0, nr, k, out + j * out_stride + n0,
+                                         out_stride);
+      for (; j < m; ++j)
+        dot_rows_q<float, 1, kTileRowsX1>(x + j * x_stride, x_stride, widened, n0, nr, k, out + j * out_stride + n0, 0);
+      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+    }
+  });
+}
+#endif
+
 template <typename T, typename Rows>
 void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k, const T* bias,
                  T* out, int64_t out_stride) {
@@ -470,6 +516,13 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {
       f32_blocks(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+      return;
+    }
+#endif
+#ifdef __AVX512F__
+    if (x.size(0) > kF32TileRows) {
+      f32_tiles(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
+                bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
       return;
     }
 #endif
