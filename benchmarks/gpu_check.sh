@@ -66,11 +66,13 @@ EOF
 fi
 
 echo "== tests: Triton kernels and the engine on CUDA"
-timeout 300 $PY -m pytest -q -p no:cacheprovider "${PYTEST_MARKS[@]}" -rfEs \
+# -rP: the passed tests' output too (test_cuda prints bfloat16's agreement).
+timeout 300 $PY -m pytest -q -p no:cacheprovider ${PYTEST_MARKS[@]+"${PYTEST_MARKS[@]}"} -rfEsP \
     tests/engine/attention/test_backends.py tests/adapters/ops/test_sgmv.py \
     tests/engine/model/test_triton_elementwise.py tests/engine/test_cuda.py \
     2>&1 | tee "$OUT/pytest.log"
-echo "pytest exit ${PIPESTATUS[0]}"
+tests_rc=${PIPESTATUS[0]}
+echo "pytest exit $tests_rc"
 
 cd benchmarks
 echo "== throughput: the engine's defaults against HF static batching"
@@ -81,3 +83,5 @@ timeout 90 $PY attention_kernel.py --dtype bfloat16 --out "$OUT/attention_kernel
     | tee "$OUT/attention_kernel.log" | tail -12
 timeout 150 $PY sgmv_kernel.py --dtype bfloat16 --out "$OUT/sgmv_kernel.json" 2>&1 \
     | tee "$OUT/sgmv_kernel.log" | tail -20
+# The benchmarks are records; the tests decide the exit status.
+exit "$tests_rc"

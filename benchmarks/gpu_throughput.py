@@ -13,9 +13,10 @@ figure.
     python benchmarks/gpu_throughput.py [--model DIR] [--dtype bfloat16]
         [--num-requests 256] [--prompt-range 32 512] [--mean-output 128] [--out PATH]
 
-Without `--model` it serves the bundled SmolLM2-135M; benchmarks/gpu_check.sh
-passes a checkpoint of the same shape with random weights where the bundled
-one cannot travel (throughput does not depend on the weights' values).
+Without `--model` it serves the bundled SmolLM2-135M. Where that package
+cannot travel, benchmarks/gpu_check.sh puts a checkpoint of the same shape
+with random weights in its place (throughput does not depend on the
+weights' values).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 
 import torch
 from machine import load_average, write_json
-from throughput import HF_BATCH_SIZE, forced_params, make_workload, warm_up_engine, _hf_generate
+from throughput import HF_BATCH_SIZE, forced_params, hf_generate, make_workload, warm_up_engine
 
 
 def _sync() -> None:
@@ -66,12 +67,12 @@ def run_hf(model_dir, dtype: torch.dtype, device: str, workload) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    _hf_generate(model, workload.prompts[:2], 4, pad)  # warm-up
+    hf_generate(model, workload.prompts[:2], 4, pad)  # warm-up
     _sync()
     t0 = time.perf_counter()
     for start in range(0, len(workload.prompts), HF_BATCH_SIZE):
         longest = max(workload.output_lens[start:start + HF_BATCH_SIZE])
-        _hf_generate(model, workload.prompts[start:start + HF_BATCH_SIZE], longest, pad)
+        hf_generate(model, workload.prompts[start:start + HF_BATCH_SIZE], longest, pad)
     _sync()
     wall = time.perf_counter() - t0
     return {"batch_size": HF_BATCH_SIZE, "wall_s": round(wall, 2),

@@ -228,7 +228,7 @@ def run_hf(model_dir, dtype: torch.dtype, workload: Workload, roofline: LinearRo
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    _hf_generate(model, workload.prompts[:2], 4, pad)  # warm-up
+    hf_generate(model, workload.prompts[:2], 4, pad)  # warm-up
 
     wall, cpu_s, padded_slots, samples = 0.0, 0.0, 0, []
     meter = CpuMeter.start()
@@ -236,7 +236,7 @@ def run_hf(model_dir, dtype: torch.dtype, workload: Workload, roofline: LinearRo
         prompts = workload.prompts[start:start + batch_size]
         longest = max(workload.output_lens[start:start + batch_size])
         t0, c0 = time.perf_counter(), time.process_time()
-        _hf_generate(model, prompts, longest, pad)
+        hf_generate(model, prompts, longest, pad)
         wall += time.perf_counter() - t0
         cpu_s += time.process_time() - c0
         padded_slots += longest * len(prompts)
@@ -253,7 +253,7 @@ def run_hf(model_dir, dtype: torch.dtype, workload: Workload, roofline: LinearRo
     }
 
 
-def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int) -> None:
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
         self.weight = empty_param((hidden_size,), dtype, device)
         self.eps = eps
         self.kernel = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
-        self.gpu_kernel = torch.device(device).type == "cuda" and triton_elementwise.available()
+        self.gpu_kernel = triton_elementwise.serves(device)
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.kernel is not None:

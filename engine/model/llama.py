@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = PackedLinear(q_size, (("o", config.hidden_size),), bias, dtype, device, quantized)
         self.elementwise = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
-        self.gpu_elementwise = torch.device(device).type == "cuda" and triton_elementwise.available()
+        self.gpu_elementwise = triton_elementwise.serves(device)
 
     def forward(
         self,
@@ -99,7 +99,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = PackedLinear(size, (("down", config.hidden_size),), bias, dtype, device, quantized)
         self.intermediate_size = size
         self.elementwise = cpu_elementwise.load_kernel() if torch.device(device).type == "cpu" else None
-        self.gpu_elementwise = torch.device(device).type == "cuda" and triton_elementwise.available()
+        self.gpu_elementwise = triton_elementwise.serves(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -3,10 +3,11 @@ MLP's SiLU-and-product on a GPU: one Triton launch each.
 
 The CPU runs these as C++ calls (engine/model/cpu_elementwise.py) because
 dispatching their small torch ops cost more than computing them. A GPU has
-the same problem one level down: on an H100 a decode step of 64 sequences
-kept the GPU busy 2.5 ms of ~25, and the host spent the rest issuing ~830
-launches, of which the norms' (8 ops each, 61 a step), the rotary's (7) and
-the SiLU's (2) were most (docs/benchmarks.md, "On a GPU").
+the same problem one level down: on an H200 a decode step of 64 sequences
+kept the GPU busy 2.5 ms while the host issued ~830 launches for it, most
+of them the norms' (8 ops each, 61 a step), the rotary's (7) and the
+SiLU's (2); a step of the throughput run took ~25 ms on an H100
+(docs/benchmarks.md, "On a GPU").
 
 Numerics follow the twins op for op, in float32 registers, rounding to the
 activations' dtype where they do: the residual sum; the normalized value,
@@ -42,11 +43,18 @@ def available() -> bool:
     return True
 
 
+def serves(device: torch.device | str) -> bool:
+    """Whether a model on `device` runs these kernels: a GPU, with triton."""
+    return torch.device(device).type == "cuda" and available()
+
+
 def _takes(*tensors: torch.Tensor) -> bool:
+    """One device (a GPU, or any under the interpreter), one float dtype,
+    unit stride along the last dimension."""
     first = tensors[0]
     on_gpu = first.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     return (on_gpu and first.dtype in _DTYPES and all(t.dtype == first.dtype for t in tensors)
-            and all(t.stride(-1) == 1 for t in tensors))
+            and all(t.device == first.device and t.stride(-1) == 1 for t in tensors))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -54,7 +62,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm(x), or with `residual` RMSNorm(residual + x) after writing
     that sum into x: cpu_elementwise.rms_norm's contract. x [T, H]."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if x.dim() != 2 or not _takes(*tensors) or (residual is not None and residual.shape != x.shape):
+    if x.dim() != 2 or weight.shape != x.shape[-1:] or not _takes(*tensors):
+        return None
+    if residual is not None and residual.shape != x.shape:
         return None
     from engine.model import triton_kernels as k
 

@@ -336,3 +336,19 @@ def test_subnormal_temperature_is_greedy_not_nan(temperature):
 def test_non_finite_sampling_numbers_are_rejected(name, value):
     with pytest.raises(ValueError, match=f"{name}: must be a finite number"):
         SamplingParams(**{name: value})
+
+
+def test_greedy_picks_as_argmax_does_on_ties_and_nan():
+    """The greedy rows take max's indices: they must be argmax's, the first
+    of equal maxima and a NaN over any number, whatever the row's length."""
+    logits = torch.zeros(5, 49152)
+    logits[0, [7, 300, 49151]] = 2.0  # a three-way tie
+    logits[1] = 1.0  # every token ties
+    logits[2, 40] = float("nan")
+    logits[2, 41] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, [0, 49151]] = 5.0
+    reqs = [make_request(f"r{i}", temperature=0.0) for i in range(5)]
+    out = Sampler(CPU).sample(logits, reqs)
+    got = [tokens_of(out, r.request_id)[0] for r in reqs]
+    assert got == logits.argmax(1).tolist() == [7, 0, 40, 0, 0]

@@ -8,7 +8,6 @@ interpreter, the same tests run the real kernels on CUDA tensors.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -17,12 +16,10 @@ import torch
 from adapters.errors import AdapterError
 from adapters.ops import LoraOps, build_sgmv_meta, get_lora_ops
 from tests.adapters.ops.naive import naive_expand, naive_shrink, per_token_slots
-from tests.without_triton import assert_runs_without_triton
+from tests.triton_env import KERNEL_DEVICE as DEVICE
+from tests.triton_env import assert_runs_without_triton
 
 BACKENDS = ["torch", "triton"]
-DEVICE = torch.device(
-    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-)
 TOLERANCE = {  # (atol, rtol) against the float64 reference, on values of order 1
     torch.float32: (2e-5, 1e-5),
     torch.bfloat16: (3e-2, 2e-2),

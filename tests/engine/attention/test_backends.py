@@ -5,7 +5,6 @@ sets TRITON_INTERPRET=1 before anything imports triton). With one, both
 backends run on CUDA tensors and the reference stays on the CPU.
 """
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -13,12 +12,10 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from tests.engine.attention.naive import naive_paged_attention
-from tests.without_triton import assert_runs_without_triton
+from tests.triton_env import KERNEL_DEVICE as DEVICE
+from tests.triton_env import assert_runs_without_triton
 
 BACKENDS = ["torch", "triton"]
-DEVICE = torch.device(
-    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-)
 TOLERANCE = {  # (atol, rtol) against the float64 reference
     torch.float32: (1e-5, 1e-5),
     torch.bfloat16: (2e-2, 2e-2),

@@ -11,7 +11,6 @@ bfloat16 can be bit for bit.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,17 +19,16 @@ import torch.nn.functional as F
 from engine.model import triton_elementwise
 from engine.model.layers import RMSNorm
 from engine.model.rope import apply_rotary
-from tests.without_triton import assert_runs_without_triton
+from tests.triton_env import KERNEL_DEVICE as DEVICE
+from tests.triton_env import assert_runs_without_triton
 
 pytest.importorskip("triton")
 
-DEVICE = torch.device(
-    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-)
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                                 ids=["fp32", "bf16", "fp16"])
 # One rounding of the dtype, relative, on values of order 1 (two for
 # bfloat16 under the interpreter, which truncates).
-ROUNDING = {torch.float32: 2e-6, torch.bfloat16: 2**-7 if DEVICE.type == "cuda" else 2**-6}
+ROUNDING = {torch.float32: 2e-6, torch.bfloat16: 2**-7 if DEVICE.type == "cuda" else 2**-6, torch.float16: 2**-10}
 
 
 def assert_bit_identical(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -72,7 +70,7 @@ def test_residual_add_is_exact_and_written_into_x(dtype):
 
 
 @DTYPES
-@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("head_dim", [64, 32, 80])  # 80: a block wider than the head
 def test_rotary_is_bit_identical_on_a_view_of_qkv(dtype, head_dim):
     tokens, heads, kv_heads = 5, 9, 3
     qkv = _rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
@@ -95,12 +93,22 @@ def test_silu_mul_matches_the_twin(dtype, rows, width):
     torch.testing.assert_close(out.float(), (F.silu(gate) * up).float(), rtol=ROUNDING[dtype], atol=1e-6)
 
 
+def test_an_empty_batch_launches_nothing():
+    w = _rand(576, dtype=torch.float32)
+    assert triton_elementwise.rms_norm(_rand(0, 576, dtype=torch.float32), w, 1e-5).shape == (0, 576)
+    assert triton_elementwise.silu_mul(_rand(0, 64, dtype=torch.float32)).shape == (0, 32)
+    cos = _rand(0, 1, 64, dtype=torch.float32)
+    assert triton_elementwise.rotary(_rand(0, 4, 64, dtype=torch.float32), cos, cos).shape == (0, 4, 64)
+
+
 def test_what_the_kernels_do_not_take_falls_back():
     """None (the caller then runs the twin) for shapes the kernels do not handle."""
     x = _rand(4, 576, dtype=torch.float32)
     w = _rand(576, dtype=torch.float32)
     assert triton_elementwise.rms_norm(x.t(), w, 1e-5) is None  # columns not contiguous
     assert triton_elementwise.rms_norm(x, w.to(torch.bfloat16), 1e-5) is None  # mixed dtypes
+    assert triton_elementwise.rms_norm(x, w[:500], 1e-5) is None  # a weight of another width
+    assert triton_elementwise.rms_norm(x, w, 1e-5, residual=x[:3]) is None  # a residual of another shape
     assert triton_elementwise.silu_mul(_rand(2, 5, dtype=torch.float32)) is None  # odd width
     assert triton_elementwise.rotary(x.view(4, 9, 64), x[:, :64].view(4, 1, 64)[:3], x[:, :64].view(4, 1, 64)) is None
 
