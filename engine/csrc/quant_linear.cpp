@@ -433,6 +433,19 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
 }
 #endif
 
+// Every token row of x against the nr weight rows from n0 that `rows` gives,
+// 4 token rows at a time, then one at a time, then the bias: the loop's
+// tile, whether `rows` widens the weight as it goes or reads a widened tile.
+template <typename T, typename Rows>
+void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n0, int64_t nr, int64_t k,
+                   const T* bias, T* out, int64_t out_stride) {
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4)
+    dot_rows_q<T, 4, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+  for (; j < m; ++j) dot_rows_q<T, 1, kTileRowsX1>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
+  if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+}
+
 #ifdef __AVX512F__
 // Float32 activations on AVX-512, more than kF32TileRows token rows. The
 // loop above widens each weight vector once per 4 token rows (a nibble
@@ -466,14 +479,7 @@ void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, in
           const fvec w = rows.load(n0 + r, h);
           std::memcpy(tile.data() + r * k + h, &w, sizeof w);
         }
-      const F32Tile<Rows> widened{tile.data(), n0, k, rows};
-      int64_t j = 0;
-      for (; j + 4 <= m; j += 4)
-        dot_rows_q<float, 4, kTileRowsX4>(x + j * x_stride, x_stride, widened, n0, nr, k, out + j * out_stride + n0,
-                                         out_stride);
-      for (; j < m; ++j)
-        dot_rows_q<float, 1, kTileRowsX1>(x + j * x_stride, x_stride, widened, n0, nr, k, out + j * out_stride + n0, 0);
-      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+      dot_tile_rows(x, x_stride, m, F32Tile<Rows>{tile.data(), n0, k, rows}, n0, nr, k, bias, out, out_stride);
     }
   });
 }
@@ -486,11 +492,7 @@ void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int6
   at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
-      int64_t j = 0;
-      for (; j + 4 <= m; j += 4)
-        dot_rows_q<T, 4, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
-      for (; j < m; ++j) dot_rows_q<T, 1, kTileRowsX1>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
-      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+      dot_tile_rows(x, x_stride, m, rows, n0, nr, k, bias, out, out_stride);
     }
   });
 }
