@@ -214,34 +214,39 @@ def copies_for(rows: int) -> int:
     return CALIBRATION_COPIES if rows <= 32 else 1
 
 
-def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, run_torch) -> int:
+def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, run_torch, *,
+                     shape: tuple[int, int] = CALIBRATION_SHAPE, copies=copies_for,
+                     rows: tuple[int, ...] = CALIBRATION_ROWS) -> int:
     """LORAGW_CPU_LINEAR_MAX_ROWS when set, else the crossover of
-    `run_kernel(x, out)` against `run_torch(x)`, logged."""
+    `run_kernel(x, out)` against `run_torch(x)` on weights of `shape`,
+    logged; `measure` says what `copies` and `rows` are."""
     env = env_row_limit()
     if env is not None:
         return env
     t0 = time.perf_counter()
-    limit = crossover(measure(run_kernel, run_torch, dtype))
+    limit = crossover(measure(run_kernel, run_torch, dtype, shape, copies, rows))
     log.info("%s: up to %d rows in %s on %d threads (calibrated in %.0f ms)", what, limit,
              str(dtype).removeprefix("torch."), threads, (time.perf_counter() - t0) * 1e3)
     return limit
 
 
-def measure(run_kernel, run_torch, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+def measure(run_kernel, run_torch, dtype: torch.dtype, shape: tuple[int, int] = CALIBRATION_SHAPE,
+            copies=copies_for, rows: tuple[int, ...] = CALIBRATION_ROWS) -> dict[int, tuple[float, float]]:
     """rows -> (kernel, torch) seconds, each the best of CALIBRATION_REPEATS
     interleaved runs (the best is the least disturbed by other processes),
     up to the first row count where torch wins: past it the kernel takes
     nothing, and on a host where it is slow its large calls are slow too.
-    `run_kernel(x, out, i)` and `run_torch(x, i)` multiply by copy i; a run
-    goes through `copies_for(rows)` of them."""
+    `run_kernel(x, out, i)` and `run_torch(x, i)` multiply by copy i of a
+    weight of `shape` (N, K), at each of `rows`; a run goes through
+    `copies(rows)` of them."""
     gen = torch.Generator().manual_seed(1)
-    n, k = CALIBRATION_SHAPE
+    n, k = shape
     timings = {}
-    for rows in CALIBRATION_ROWS:
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        out = torch.empty(rows, n, dtype=dtype)
-        timings[rows] = best_of(lambda i: run_kernel(x, out, i), lambda i: run_torch(x, i), copies_for(rows))
-        if timings[rows][0] >= timings[rows][1]:
+    for count in rows:
+        x = torch.randn(count, k, generator=gen).to(dtype)
+        out = torch.empty(count, n, dtype=dtype)
+        timings[count] = best_of(lambda i: run_kernel(x, out, i), lambda i: run_torch(x, i), copies(count))
+        if timings[count][0] >= timings[count][1]:
             break
     return timings
 

@@ -182,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q: quant_linear.QuantizedWeight | None = None  # set by `quantize`
         self.as_stored = False  # set by `keep_as_stored`: "auto" found Q4_1 linears
         self.lm_head_stored: quant_linear.QuantizedWeight | None = None  # "auto" found a Q8_0 head
+        self.lm_head_stored_rows = 0  # the rows it takes; set by `pack_weights`, measured on the head
         self.lm_head_packed: torch.Tensor | None = None  # set by `pack_weights`
         self._cpu_linear = cpu_linear.load_kernel() if self.device.type == "cpu" else None
         self._quant_kernel = quant_linear.load_kernel() if quantized and self.device.type == "cpu" else None
@@ -248,8 +249,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_stored = quant_linear.quantize_exactly(self.lm_head.data, quant_linear.HEAD_AS_STORED)
             self.lm_head.data = self.lm_head.data.to(self.dtype)
             self.embed_tokens.data = self.embed_tokens.data.to(self.dtype)  # the same tensor when tied
-        if self.lm_head_stored is not None:
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.HEAD_AS_STORED)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
@@ -257,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q).float()
             if self.lm_head_stored is not None:
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_stored, None, self.lm_head,
-                                           self._cpu_linear, self.lm_head_packed).float()
+                                           self._cpu_linear, self.lm_head_packed, self.lm_head_stored_rows).float()
             return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head, None, self.lm_head_packed).float()
 
     # ---- weights -------------------------------------------------------
@@ -324,6 +323,9 @@ class LlamaForCausalLM(nn.Module):
                 linear.pack()
             if self.lm_head is not None:
                 self.lm_head_packed = cpu_linear.pack(self.lm_head.data)
+            if self.lm_head_stored is not None:
+                self.lm_head_stored_rows = quant_linear.head_row_limit(
+                    self._quant_kernel, self.lm_head_stored, self.lm_head.data, self._cpu_linear, self.lm_head_packed)
 
     def quantize(self) -> None:
         """Quantizes every packed linear and the LM head from their float32

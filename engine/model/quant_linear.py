@@ -206,16 +206,17 @@ def quantize_exactly(weight: torch.Tensor, method: str) -> QuantizedWeight | Non
 
 def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            float_weight: torch.Tensor | None = None, float_kernel=None,
-           float_packed: torch.Tensor | None = None) -> torch.Tensor:
+           float_packed: torch.Tensor | None = None, limit: int | None = None) -> torch.Tensor:
     """x [T, K] @ dequant(weight)^T (+ bias) -> [T, N] in x's dtype: by the
-    kernel for up to `row_limit` rows when it takes the tensors. Larger calls
-    (`kernel` None: every call) go to `float_weight`, the same values kept
-    in x's dtype (quantization "auto"), through cpu_linear with
-    `float_kernel` and `float_packed` (`cpu_linear.pack` of it), or without
-    it to the torch twin."""
-    beside_float = weight_format(weight) if float_weight is not None else None
-    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= row_limit(x.dtype, torch.get_num_threads(),
-                                                                            beside_float=beside_float):
+    kernel for up to `limit` rows (default `row_limit`) when it takes the
+    tensors. Larger calls (`kernel` None: every call) go to `float_weight`,
+    the same values kept in x's dtype (quantization "auto"), through
+    cpu_linear with `float_kernel` and `float_packed` (`cpu_linear.pack` of
+    it), or without it to the torch twin."""
+    if limit is None:
+        beside_float = weight_format(weight) if float_weight is not None else None
+        limit = row_limit(x.dtype, torch.get_num_threads(), beside_float=beside_float)
+    if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= limit:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
             return out
@@ -250,6 +251,40 @@ def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = No
                                        lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                        lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i],
                                                                       None, packed[i]))
+
+
+# Row counts tried on an LM head. A step's head call has a row per sampling
+# sequence, so a few hundred at most, and timing a 1,024-row product of the
+# head would add seconds to a model's load.
+HEAD_CALIBRATION_ROWS = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= 256)
+_head_limits: dict[tuple, int] = {}  # measured ones only: LORAGW_CPU_LINEAR_MAX_ROWS is read each time
+
+
+def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, float_kernel=None,
+                   float_packed: torch.Tensor | None = None) -> int:
+    """The most rows for which the kernel multiplies by an LM head kept
+    beside its float weights (quantization "auto", a Q8_0 head), measured on
+    that head against the float path (`linear`'s arguments), once a process
+    for its format, shape, dtype and thread count. The layers' calibration
+    shape does not stand for it: on 2 Zen 4 cores the Q8_0 kernel beat
+    oneDNN's packed bfloat16 product on the 1536 x 576 shape at 32 rows, and
+    lost to it by 14-17% on the 49152 x 576 head from 16 rows
+    (benchmarks/quant_linear.py). One copy is timed: the head alone is more
+    than a host's last-level cache, so it streams from memory as in a step."""
+    if kernel is None:
+        return 0
+    env = cpu_linear.env_row_limit()
+    if env is not None:
+        return env
+    threads = torch.get_num_threads()
+    key = (weight_format(head), tuple(head.shape), float_head.dtype, threads, float_packed is not None)
+    if key not in _head_limits:
+        _head_limits[key] = cpu_linear.calibrated_limit(
+            f"CPU {key[0]} kernel on the LM head", float_head.dtype, threads,
+            lambda x, out, i: head.run_kernel(kernel, x, None, out),
+            lambda x, i: cpu_linear.linear(float_kernel, x, float_head, None, float_packed),
+            shape=key[1], copies=lambda rows: 1, rows=HEAD_CALIBRATION_ROWS)
+    return _head_limits[key]
 
 
 def twin(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

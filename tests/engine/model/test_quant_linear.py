@@ -213,3 +213,49 @@ def test_quantize_exactly_takes_only_weights_that_are_q4_1_values():
     q8 = quant_linear.quantize_q8_0(w).dequantize(torch.float32)  # a Q8_0 GGUF's embedding table
     assert quant_linear.quantize_exactly(q8, "q8_0") is not None
     assert quant_linear.quantize_exactly(stored, "q8_0") is None and quant_linear.quantize_exactly(w, "q8_0") is None
+
+
+def test_a_limit_given_to_linear_decides_which_path_a_call_takes(kernel):
+    """The model passes its LM head's own limit: rows up to it go to the
+    kernel, more to the float weights, whatever the environment's limit."""
+    qws, gen = _weights((96, HIDDEN), seed=8)
+    qw = qws["q8_0"]
+    weight = qw.dequantize(torch.float32)
+    for rows, handled in ((2, [True]), (3, [])):
+        x = torch.randn(rows, HIDDEN, generator=gen)
+        rec = recording(kernel, KERNELS["q8_0"])
+        got = quant_linear.linear(rec, x, qw, None, weight, None, None, limit=2)
+        assert rec.handled == handled
+        torch.testing.assert_close(got.double(), x.double() @ naive_weight(qw).T, **TOLERANCE[torch.float32])
+
+
+def test_the_head_limit_is_measured_on_the_head_once_a_process(kernel, kernel_rows, monkeypatch):
+    """Timed on the head's own shape (not the layers' calibration shape),
+    one streamed copy, at most 256 rows, by the real paths; cached by
+    format, shape, dtype and threads; the environment's limit wins."""
+    monkeypatch.delenv(quant_linear.cpu_linear.ROWS_ENV)
+    monkeypatch.setattr(quant_linear, "_head_limits", {})
+    qws, gen = _weights((300, HIDDEN), seed=9)
+    head, float_head = qws["q8_0"], qws["q8_0"].dequantize(torch.float32)
+    seen = []
+    real = quant_linear.cpu_linear.calibrated_limit
+
+    def calibrated(what, dtype, threads, run_kernel, run_torch, **kw):
+        seen.append(kw)
+        x, out = torch.randn(3, HIDDEN, generator=gen), torch.empty(3, kw["shape"][0])
+        run_kernel(x, out, 0)
+        torch.testing.assert_close(out, run_torch(x, 0), **TOLERANCE[torch.float32])
+        return real(what, dtype, threads, run_kernel, run_torch, **kw)
+
+    monkeypatch.setattr(quant_linear.cpu_linear, "calibrated_limit", calibrated)
+    limit = quant_linear.head_row_limit(kernel, head, float_head)
+    assert limit in (0, *quant_linear.HEAD_CALIBRATION_ROWS) and max(quant_linear.HEAD_CALIBRATION_ROWS) == 256
+    assert len(seen) == 1 and seen[0]["shape"] == (300, HIDDEN) and seen[0]["rows"] == quant_linear.HEAD_CALIBRATION_ROWS
+    assert seen[0]["copies"](1) == seen[0]["copies"](256) == 1
+    assert quant_linear.head_row_limit(kernel, head, float_head) == limit and len(seen) == 1
+    other = _weights((200, HIDDEN), seed=10)[0]["q8_0"]
+    quant_linear.head_row_limit(kernel, other, other.dequantize(torch.float32))
+    assert len(seen) == 2 and seen[1]["shape"] == (200, HIDDEN)
+    kernel_rows("7")
+    assert quant_linear.head_row_limit(kernel, head, float_head) == 7 and len(seen) == 2
+    assert quant_linear.head_row_limit(None, head, float_head) == 0
