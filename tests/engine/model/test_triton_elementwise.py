@@ -11,7 +11,6 @@ bfloat16 can be bit for bit.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
