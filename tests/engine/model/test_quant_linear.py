@@ -105,16 +105,18 @@ def test_bias_and_strided_rows(kernel, fmt, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype):
+@pytest.mark.parametrize("rows", [13, 37])
+def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows):
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
-    change with speculation on."""
+    change with speculation on. 37 rows take three of AMX's 16-row tiles, in
+    two passes."""
     qws, gen = _weights((100, 96), seed=4)  # 100 rows: a partial weight tile
     qw = qws[fmt]
-    x = torch.randn(13, 96, generator=gen).to(dtype)
-    together = torch.empty(13, 100, dtype=dtype)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    together = torch.empty(rows, 100, dtype=dtype)
     assert qw.run_kernel(kernel, x, None, together)
-    for split in ((1,) * 13, (4, 9), (8, 5)):
+    for split in ((1,) * rows, (4, rows - 4), (8, rows - 8)):
         parts = [torch.empty(len(rows), 100, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
             assert qw.run_kernel(kernel, rows, None, out)
@@ -147,6 +149,13 @@ def test_blocked_formats_in_bfloat16_multiply_the_float_paths_bfloat16_weights(k
         out = torch.empty(shape[1], shape[0], dtype=torch.bfloat16)
         assert qw.run_kernel(kernel, eye, None, out)
         assert torch.equal(out, qw.dequantize(torch.float32).to(torch.bfloat16).T)
+
+
+@pytest.mark.skipif(not {"amx_bf16", "avx512_bf16"} <= host_cpu.cpu_flags(), reason="the host has no AMX-BF16")
+def test_the_bfloat16_tiles_run_on_amx_where_the_host_has_it(kernel):
+    """So the bfloat16 tests above hold the AMX path to the reference on
+    such a host (the kernel is built for the CPU it runs on)."""
+    assert kernel.uses_amx()
 
 
 @pytest.mark.parametrize("case", ["float16", "k_not_multiple_of_32"])
