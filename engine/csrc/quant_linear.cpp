@@ -458,7 +458,8 @@ void configure_tiles() {
 // Rows n0 .. n0 + nr of a blocked weight as bfloat16, block-major for the
 // tile loads: block b of row r at tile[b * kAmxRows + r], so each 16-row
 // weight tile of a block is 1 KB in one piece. Loaded 1,152 bytes a row
-// apart (K = 576, row-major), the same tiles took 2.5x as long a multiply-add.
+// apart (K = 576, row-major), the same tiles made a multiply-add take 1.9 to
+// 2.8x as long (a standalone loop; docs/engine.md, "Quantization").
 template <typename Rows>
 void dequantize_bf16_blocks(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile) {
   const int64_t blocks = k / kBlock;
