@@ -417,9 +417,9 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // The same tiles on AMX, where the CPU has it (a Xeon from Sapphire Rapids
-// on). There oneDNN's packed bfloat16 product beat the loop above from 8
-// rows, yet at 32 rows it moved a decode step's weights at a third of the
-// memory's pace (docs/engine.md, "Quantization"). Here one tile
+// on). There oneDNN's packed bfloat16 product beat the loop above from 2
+// to 9 rows, yet at 32 rows it moved a decode step's weights at a third
+// of the memory's pace (docs/engine.md, "Quantization"). Here one tile
 // multiply-add takes 16 weight rows by 32 columns of the dequantized tile
 // against the same 32 columns of 16 token rows. AMX wants its second
 // operand's columns in interleaved pairs; the weights are the first
