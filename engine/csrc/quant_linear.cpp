@@ -350,17 +350,26 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
 constexpr int kDotX = 4;  // token rows per register tile: kDotX * kDotW = 16 accumulators, one sum_each
 constexpr int kDotW = 4;
 
-// Rows n0 .. n0 + nr of a blocked weight (Q4_1, Q8_0), as bfloat16 lanes,
-// into tile [nr][k].
+// Rows n0 .. n0 + nr of a blocked weight (Q4_1, Q8_0), as bfloat16 lanes:
+// block b of row r at tile[r * row_step + b * block_step]. Row-major, tile
+// [nr][k], by default; the AMX path lays the blocks out the other way.
 template <typename Rows>
-void dequantize_bf16(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile) {
+void dequantize_bf16(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile,
+                     int64_t row_step = -1, int64_t block_step = 1) {
   const int64_t blocks = k / kBlock;
+  if (row_step < 0) row_step = blocks;
   for (int64_t r = 0; r < nr; ++r) {
-    __m512bh* out = tile + r * blocks;
+    __m512bh* out = tile + r * row_step;
     int64_t b = 0;
-    if constexpr (Rows::kPairs)
-      for (; b + 2 <= blocks; b += 2) rows.bf16_block_pair(n0 + r, b, out + b);
-    for (; b < blocks; ++b) out[b] = rows.bf16_block(n0 + r, b);
+    if constexpr (Rows::kPairs) {
+      for (; b + 2 <= blocks; b += 2) {
+        __m512bh pair[2];
+        rows.bf16_block_pair(n0 + r, b, pair);
+        out[b * block_step] = pair[0];
+        out[(b + 1) * block_step] = pair[1];
+      }
+    }
+    for (; b < blocks; ++b) out[b * block_step] = rows.bf16_block(n0 + r, b);
   }
 }
 
@@ -453,28 +462,6 @@ void configure_tiles() {
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
-}
-
-// Rows n0 .. n0 + nr of a blocked weight as bfloat16, block-major for the
-// tile loads: block b of row r at tile[b * kAmxRows + r], so each 16-row
-// weight tile of a block is 1 KB in one piece. Loaded 1,152 bytes a row
-// apart (K = 576, row-major), the same tiles made a multiply-add take 1.9 to
-// 2.8x as long (a standalone loop; docs/engine.md, "Quantization").
-template <typename Rows>
-void dequantize_bf16_blocks(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t r = 0; r < nr; ++r) {
-    int64_t b = 0;
-    if constexpr (Rows::kPairs) {
-      for (; b + 2 <= blocks; b += 2) {
-        __m512bh pair[2];
-        rows.bf16_block_pair(n0 + r, b, pair);
-        tile[b * kAmxRows + r] = pair[0];
-        tile[(b + 1) * kAmxRows + r] = pair[1];
-      }
-    }
-    for (; b < blocks; ++b) tile[b * kAmxRows + r] = rows.bf16_block(n0 + r, b);
-  }
 }
 
 // r[i][j] -> r[j][i] for 16 rows of 16 32-bit lanes: pairs of rows
@@ -603,7 +590,10 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
       configure_tiles();
       for (int64_t g = begin; g < end; ++g) {
         const int64_t n0 = g * kAmxRows, nr = std::min(kAmxRows, n - n0);
-        dequantize_bf16_blocks(rows, n0, nr, k, tile.data());
+        // Block-major, so that each 16-row tile of a block is 1 KB in one piece. Loaded
+        // 1,152 bytes a row apart (K = 576, row-major), the same tiles made a multiply-add
+        // take 1.9 to 2.8x as long (a standalone loop; docs/engine.md, "Quantization").
+        dequantize_bf16(rows, n0, nr, k, tile.data(), /*row_step=*/1, /*block_step=*/kAmxRows);
         amx_tile_rows(tile.data(), nr, k / kBlock, xt.data(), m, out, out_stride, n0);
       }
       _tile_release();
