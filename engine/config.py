@@ -36,11 +36,12 @@ class SchedulerConfig:
     # A step that prefills premium work carries no standard prefill: premium
     # TTFT then costs one short step, not a full one.
     premium_prefill_alone: bool = setting(True, help="let standard prefill share a step with premium prefill")
-    # ... and no standard decodes either, every other step at most (so a
+    # ... and no standard decodes either, two steps in a row at most (so a
     # stream of premium arrivals slows standard decodes, never stops them):
     # they would add a row each to the premium request's first step.
     premium_prefill_defers_decodes: bool = setting(
-        True, help="let standard decodes share a step with premium prefill (they wait one step otherwise)")
+        True, help="let standard decodes share a step with premium prefill (otherwise they wait out up to "
+                   "two such steps in a row)")
     # A premium request that arrives mid-step waits for that step, so this
     # bounds its TTFT under a standard flood; on a CPU, step time grows with
     # every token.

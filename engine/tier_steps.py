@@ -10,11 +10,21 @@ from engine.config import SchedulerConfig
 from engine.request import Tier
 
 
+# Standard decodes wait out at most this many premium prefill steps in a
+# row. With one, a premium request that came in while another's prompt step
+# ran had its own first step carry every standard decode; on a 2-core CPU
+# that step took 130-320 ms against ~125 alone under a standard flood
+# (docs/benchmarks.md, "Zen 4, premium requests two at a time"). With two,
+# standard decodes still run in at least one step of every three.
+MAX_DEFERRED_IN_A_ROW = 2
+
+
 class TierSteps:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self._premium_arrival_step: int | None = None  # the step of the latest premium arrival
         self._decodes_deferred_step: int | None = None  # the latest step that left standard decodes out
+        self._deferred_in_a_row = 0  # steps up to that one that left them out, back to back
         self._standard_step = -1  # the latest step that carried standard work
         self._dropped_step: int | None = None  # the latest step dropped part way
 
@@ -39,14 +49,16 @@ class TierSteps:
 
     def defer_standard_decodes(self, step_id: int, premium_prefill_due: bool) -> bool:
         """Whether step `step_id`, which has standard decodes, leaves them
-        out: with premium prefill alone, when premium prefill is due and the
-        step before did not leave them out (recorded when it answers yes)."""
+        out: with premium prefill alone, when premium prefill is due and
+        fewer than MAX_DEFERRED_IN_A_ROW steps just before it left them out
+        (recorded when it answers yes)."""
         cfg = self.config
         if not (cfg.enable_tiers and cfg.premium_prefill_alone and cfg.premium_prefill_defers_decodes):
             return False
-        if not premium_prefill_due or self._decodes_deferred_step == step_id - 1:
+        in_a_row = self._deferred_in_a_row if self._decodes_deferred_step == step_id - 1 else 0
+        if not premium_prefill_due or in_a_row >= MAX_DEFERRED_IN_A_ROW:
             return False
-        self._decodes_deferred_step = step_id
+        self._decodes_deferred_step, self._deferred_in_a_row = step_id, in_a_row + 1
         return True
 
     def interruptible(self, step_id: int, premium_prefill: bool, standard: bool) -> bool:

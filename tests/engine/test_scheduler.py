@@ -6,6 +6,7 @@ import pytest
 
 from engine.errors import ValidationError
 from engine.request import FinishReason, RequestStatus, Tier
+from engine.tier_steps import MAX_DEFERRED_IN_A_ROW
 from tests.engine.sched_helpers import make_request, make_scheduler, run_output, slices, step
 
 
@@ -65,7 +66,8 @@ def test_a_step_that_prefills_premium_carries_no_standard_prefill():
     assert slices(out) == {"dec": 1, "pre": 1, "std": 40}
 
 
-def test_standard_decodes_wait_out_a_premium_prefill_step_but_never_two_in_a_row():
+def test_standard_decodes_wait_out_premium_prefill_steps_but_never_three_in_a_row():
+    assert MAX_DEFERRED_IN_A_ROW == 2  # the steps below count on it
     s = make_scheduler(budget=64, block_size=4, premium_prefill_alone=True)
     s.add_request(make_request("dec", 4, max_tokens=50))
     step(s)
@@ -80,8 +82,16 @@ def test_standard_decodes_wait_out_a_premium_prefill_step_but_never_two_in_a_row
     assert slices(out) == {"pdec": 1, "pre": 12}
     s.add_request(make_request("pre2", 12, tier=Tier.PREMIUM, max_tokens=2))
     out, _ = step(s)
-    # Deferred last step, so not again: the standard decode runs beside the next premium prompt.
-    assert slices(out) == {"dec": 1, "pdec": 1, "pre": 1, "pre2": 12}
+    # A second premium prompt that came in meanwhile gets a step without them too.
+    assert slices(out) == {"pdec": 1, "pre": 1, "pre2": 12}
+    s.add_request(make_request("pre3", 12, tier=Tier.PREMIUM, max_tokens=2))
+    out, _ = step(s)
+    # Deferred twice in a row, so not a third time: the standard decode runs
+    # beside the next premium prompt.
+    assert slices(out) == {"dec": 1, "pdec": 1, "pre2": 1, "pre3": 12}
+    s.add_request(make_request("pre4", 12, tier=Tier.PREMIUM, max_tokens=2))
+    out, _ = step(s)
+    assert "dec" not in slices(out)  # the count starts again
     out, _ = step(s)
     assert slices(out)["dec"] == 1  # no premium prefill due: nothing deferred
 
