@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 
 import torch
 
+import native
 from engine.adapter_slots import AdapterSlotPolicy
 from engine.attention import get_attention_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
@@ -69,11 +71,30 @@ def _blocks_in(budget: int, bytes_per_block: int) -> int:
     return blocks
 
 
+# The modules that make the C++ CPU kernels (native.Kernel), each on import;
+# tests/test_native.py checks that every kernel source has one here.
+CPU_KERNEL_MODULES = (
+    "engine.model.cpu_elementwise", "engine.model.cpu_linear", "engine.model.quant_linear",
+    "engine.attention.cpu_decode", "engine.attention.cpu_prefill", "adapters.ops.cpu_ops",
+)
+
+
+def load_cpu_kernels() -> None:
+    """Builds (or finds built) every C++ CPU kernel now, a build per engine
+    thread at a time, where the model's first calls would build them one
+    after another: a new checkout's first start waited half as long."""
+    for name in CPU_KERNEL_MODULES:
+        importlib.import_module(name)
+    native.load_all(torch.get_num_threads())
+
+
 def build_llm_engine(config: EngineConfig) -> LLMEngine:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if device.type == "cpu" and config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    if device.type == "cpu":
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        load_cpu_kernels()
     attn = get_attention_backend(config.attention_backend, device)
     loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn,
                         quantization=config.quantization)

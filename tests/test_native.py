@@ -4,7 +4,9 @@ cache name that follows their content."""
 
 import concurrent.futures
 import fnmatch
+import importlib
 import re
+import threading
 import tomllib
 from pathlib import Path
 
@@ -41,6 +43,40 @@ def test_every_kernel_builds_from_a_csrc_file(module):
     assert source.is_file()
     assert source.parent.name == "csrc" and source.suffix == ".cpp"
     assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME" in source.read_text()
+
+
+def test_the_engine_builder_loads_every_kernel_at_once():
+    """engine.builder.load_cpu_kernels imports the modules that make the
+    kernels so that native.load_all builds them side by side; a kernel left
+    off its list would still build, alone, on its first use."""
+    from engine.builder import CPU_KERNEL_MODULES
+
+    for name in CPU_KERNEL_MODULES:
+        importlib.import_module(name)
+    made = {kernel.source.resolve() for kernel in native._KERNELS}
+    sources = {path.resolve() for package in KERNEL_PACKAGES for path in (ROOT / package).rglob("csrc/*.cpp")}
+    assert sources and made == sources
+
+
+def test_load_all_builds_the_kernels_side_by_side(monkeypatch):
+    """Two builds at a time: each build of the six waits until another is
+    under way beside it."""
+    running, both = [], threading.Barrier(2, timeout=30)
+    monkeypatch.setattr(native, "_KERNELS", [])  # the kernels made below join this list, not the real one
+    kernels = [native.Kernel(f"loragw_test_{i}", ROOT / "absent.cpp", "test kernel", "LORAGW_TEST_SWITCH")
+               for i in range(6)]
+    assert native._KERNELS == kernels
+
+    def build(prefix, source, what):
+        running.append(prefix)
+        both.wait()  # breaks (and raises here) unless a second build runs meanwhile
+        return prefix
+
+    monkeypatch.setattr(native, "build", build)
+    native.load_all(2)
+    assert sorted(running) == sorted(k.prefix for k in kernels)
+    assert [k.load() for k in kernels] == [k.prefix for k in kernels]  # kept: not built again
+    assert len(running) == 6
 
 
 def test_every_csrc_file_ships_with_the_package():
