@@ -82,7 +82,7 @@ CPU_KERNEL_MODULES = (
 def load_cpu_kernels() -> None:
     """Builds (or finds built) every C++ CPU kernel now, a build per engine
     thread at a time, where the model's first calls would build them one
-    after another: a new checkout's first start waited half as long."""
+    after another: a new checkout's first start waits about half as long."""
     for name in CPU_KERNEL_MODULES:
         importlib.import_module(name)
     native.load_all(torch.get_num_threads())

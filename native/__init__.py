@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import logging
 import os
 import platform
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
