@@ -2,11 +2,12 @@
 
 Without a GPU they run under the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton); with one, on CUDA. The
-rotary and the residual add must equal the twins bit for bit; the norm and
-the SiLU may differ by a rounding of their float32 reductions and exp. The
-interpreter truncates float32 to bfloat16 where a GPU rounds to nearest, so
-there bfloat16 results may sit one more rounding off, and nothing in
-bfloat16 can be bit for bit.
+rotary and the residual add must equal the twins bit for bit; the norm may
+differ by a rounding of its float32 reduction, and the SiLU by one of its
+exp, carried into its product, which rounds again. The interpreter
+truncates float32 to bfloat16 where a GPU rounds to nearest, so there
+bfloat16 results may sit one more rounding off, and nothing in bfloat16 can
+be bit for bit.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def test_silu_mul_matches_the_twin(dtype, rows, width):
     x = _rand(rows, 2 * width, dtype=dtype, seed=5, scale=4.0)
     gate, up = x.split(width, dim=-1)
     out = triton_elementwise.silu_mul(x)
-    torch.testing.assert_close(out.float(), (F.silu(gate) * up).float(), rtol=ROUNDING[dtype], atol=1e-6)
+    # Both round the SiLU to the dtype, then its product with `up`. Where
+    # their float32 exps straddle a rounding of the first, the SiLUs differ
+    # by one rounding, carried into the product, which adds its own: two in
+    # all (seen in float16 on an H100, 2 of 6,144 values).
+    torch.testing.assert_close(out.float(), (F.silu(gate) * up).float(), rtol=2 * ROUNDING[dtype], atol=1e-6)
 
 
 def test_an_empty_batch_launches_nothing():
