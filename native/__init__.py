@@ -6,9 +6,11 @@ its end. It is compiled on first use by torch.utils.cpp_extension (which
 needs a C++ compiler and ninja) in torch's extensions folder
 (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions), from a copy of
 its inputs made there, and found there by later processes. The cache name
-is keyed by the source, the shared headers of engine/csrc/, the flags and
-the host CPU: a changed source builds anew, and the kernels are built with
--march=native, where a library is only valid on the CPU it was built for.
+is keyed by the source, the shared headers of native/csrc/, the flags, the
+host CPU and the torch and Python it compiles against: a changed source
+builds anew, the kernels are built with -march=native, where a library is
+only valid on the CPU it was built for, and each Python environment keeps
+its own builds.
 Building takes ~30 s once per kernel, on one core: `load_all` builds the
 kernels side by side (the engine builder calls it on the CPU).
 
@@ -25,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,27 +72,40 @@ def switched_off(env_switch: str) -> bool:
     return os.environ.get(env_switch, "1") == "0"
 
 
+def toolchain_paths() -> str:
+    """The paths of torch and Python that a build's command names: its
+    include and library folders. They are the part of torch's build file
+    that differs between two Python environments (two checkouts, each with
+    its own venv), and ninja rebuilds when its command changes: with one
+    build folder between them, each environment rebuilt every kernel the
+    other had built last."""
+    from torch.utils import cpp_extension
+
+    return " ".join([*cpp_extension.include_paths(), *cpp_extension.library_paths(),
+                     str(sysconfig.get_path("include", scheme="posix_prefix"))])
+
+
 def inputs(source: Path) -> list[Path]:
     """The files a kernel is compiled from: its source and the shared headers."""
     return [source, *sorted(HEADERS.glob("*.h"))]
 
 
 def cache_key(source: Path) -> str:
-    """What a kernel's cache name ends in: a digest of its inputs, the flags
-    and the host CPU."""
+    """What a kernel's cache name ends in: a digest of its inputs, the flags,
+    the host CPU and the toolchain's paths."""
     digest = hashlib.sha256()
     for path in inputs(source):
         digest.update(path.read_bytes())
-    digest.update((" ".join(CFLAGS) + cpu_fingerprint()).encode())
+    digest.update((" ".join(CFLAGS) + cpu_fingerprint() + toolchain_paths()).encode())
     return digest.hexdigest()[:12]
 
 
 def stage(source: Path, folder: Path) -> Path:
     """Copies the kernel's inputs into `folder` (only those that differ, each
     replaced whole) and returns the copied source. Compiled from there, the
-    same source in two checkouts or installs makes the same build file, so
-    neither rebuilds what the other built, as when torch's load_inline wrote
-    the source into the build folder itself."""
+    same source in two checkouts that share a Python environment makes the
+    same build file, so neither rebuilds what the other built, as when
+    torch's load_inline wrote the source into the build folder itself."""
     folder.mkdir(parents=True, exist_ok=True)
     for path in inputs(source):
         target, data = folder / path.name, path.read_bytes()

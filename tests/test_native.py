@@ -173,3 +173,17 @@ def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_one(tmp_path, mon
     pool.shutdown(wait=False)
     assert module is not None and module.one() == 1
     assert not (folder / "lock").exists()
+
+    # The build file torch wrote names no path of this environment that the
+    # cache key leaves out: another environment's build of the same kernel
+    # goes to another folder, instead of rewriting this one's command.
+    named = re.findall(r"(?:-isystem |-I ?|-L)(/\S+)", (folder / "build.ninja").read_text())
+    assert named and all(path in native.toolchain_paths().split() for path in named)
+
+
+def test_the_cache_key_follows_the_toolchain(tmp_path, monkeypatch):
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int two() { return 2; }\n")
+    key = native.cache_key(source)
+    monkeypatch.setattr(native, "toolchain_paths", lambda: "/elsewhere/.venv/lib/python3.11/site-packages/torch/include")
+    assert native.cache_key(source) != key
