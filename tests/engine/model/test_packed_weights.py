@@ -97,8 +97,9 @@ def test_only_weight_matrices_of_the_packed_dtypes_are_packed(packing):
 
 def test_a_cpu_that_cannot_pack_a_dtype_keeps_f_linear(packing, monkeypatch, caplog):
     """oneDNN refuses to reorder bfloat16 weights on an AVX2-only CPU: a
-    model in bfloat16 there loads with its weights unpacked, even with
-    LORAGW_CPU_PACKED_WEIGHTS=1, and multiplies by F.linear."""
+    model in bfloat16 there loads with its weights unpacked (its larger
+    calls go to F.linear), even with LORAGW_CPU_PACKED_WEIGHTS=1, and float32
+    is still packed."""
     packing("1")
     reorder = cpu_linear.packed_copy
 
