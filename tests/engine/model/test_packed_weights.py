@@ -12,7 +12,7 @@ import transformers
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model import cpu_linear, quant_linear
 from engine.model.llama import LlamaForCausalLM
-from tests.engine.model.test_cpu_linear import _case as bf16_case
+from tests.engine.model.test_cpu_linear import _case  # (x, w, b, the float64 product), as the skinny kernel's tests
 from tests.engine.model.test_llama import PagedRunner, random_tokens, tiny_config
 
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960  # SmolLM2-135M
@@ -44,11 +44,6 @@ def packing(monkeypatch):
     cpu_linear.packing_pays.cache_clear()
 
 
-def _case(rows: int, n: int, k: int, seed: int, bias: bool, dtype: torch.dtype = BF16):
-    """(x, w, b, the float64 product) in `dtype`, as the skinny kernel's tests make them."""
-    return bf16_case(rows, n, k, dtype, seed, bias)
-
-
 # (atol, rtol) against the float64 product and against F.linear. bfloat16:
 # float32 sums rounded once to bfloat16, so within a bfloat16 rounding of
 # either. float32: sums of 576 or 1,536 products in another order than
@@ -63,7 +58,7 @@ TOLERANCES = {BF16: ((3e-2, 1e-2), (2e-2, 1e-2)), torch.float32: ((2e-5, 1e-5), 
 @pytest.mark.parametrize("dtype", PACKABLE)
 def test_the_packed_product_matches_the_reference(packing, rows, shape, bias, dtype):
     packing("1")
-    x, w, b, expected = _case(rows, *shape, seed=rows, bias=bias, dtype=dtype)
+    x, w, b, expected = _case(rows, *shape, dtype, seed=rows, bias=bias)
     packed = cpu_linear.pack(w)
     assert packed is not None and packed.is_mkldnn
     got = cpu_linear.linear(None, x, w, b, packed)
@@ -78,7 +73,7 @@ def test_the_packed_product_matches_the_reference(packing, rows, shape, bias, dt
 @pytest.mark.parametrize("dtype", PACKABLE)
 def test_a_strided_input_multiplies_as_a_contiguous_one(packing, dtype):
     packing("1")
-    x, w, _, expected = _case(6, QKV, HIDDEN, seed=9, bias=False, dtype=dtype)
+    x, w, _, expected = _case(6, QKV, HIDDEN, dtype, seed=9)
     wide = torch.zeros(6, 2 * HIDDEN, dtype=dtype)
     wide[:, :HIDDEN] = x
     packed = cpu_linear.pack(w)
@@ -171,7 +166,7 @@ def test_unset_it_packs_where_the_packed_product_wins_prefill_and_holds_decode(p
 @pytest.mark.parametrize("dtype", PACKABLE)
 def test_the_quantized_path_hands_its_larger_calls_to_the_packed_copy(packing, dtype):
     packing("1")
-    x, w, _, expected = _case(40, QKV, HIDDEN, seed=4, bias=False, dtype=dtype)
+    x, w, _, expected = _case(40, QKV, HIDDEN, dtype, seed=4)
     qweight = quant_linear.quantize(w.float(), quant_linear.AS_STORED)
     exact = qweight.dequantize(dtype)
     packed = cpu_linear.pack(exact)
