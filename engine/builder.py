@@ -14,7 +14,7 @@ from engine.attention import get_attention_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.engine_core import EngineCore
 from engine.errors import ValidationError
-from engine.host_cpu import has_native_bfloat16
+from engine.host_cpu import engine_threads, has_native_bfloat16
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm_engine import LLMEngine
 from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
@@ -91,9 +91,10 @@ def load_cpu_kernels() -> None:
 def build_llm_engine(config: EngineConfig) -> LLMEngine:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    threads = engine_threads(config.num_threads, device.type)
+    if threads:
+        torch.set_num_threads(threads)
     if device.type == "cpu":
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         load_cpu_kernels()
     attn = get_attention_backend(config.attention_backend, device)
     loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn,

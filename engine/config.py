@@ -177,8 +177,9 @@ class EngineConfig:
                                                        "else float32")
     device: str = setting("auto", help="cpu, cuda, cuda:N or auto")
     attention_backend: str = setting("auto", help="torch, triton or auto")
-    num_threads: int | None = setting(None, help="torch intra-op threads of the engine on the CPU; unset: torch's "
-                                                 "default, one per core (docs/engine.md, \"Defaults\")")
+    num_threads: int | None = setting(None, help="torch intra-op threads of the engine; unset: torch's default, "
+                                                 "one per core, on the CPU, and 1 beside a GPU (docs/engine.md, "
+                                                 "\"Defaults\")")
     # ---- weight-only quantization (engine/model/quant_linear.py) ----
     quantization: str = setting("auto", choices=_QUANTIZATIONS,
                                 help="store the linear and LM-head weights in int8 (per channel) or int4 "

@@ -27,6 +27,13 @@ ENV_SWITCH = "LORAGW_CPU_BFLOAT16"
 # stalls every region at the barrier: set OMP_WAIT_POLICY=PASSIVE there (the
 # test suite does). libgomp reads it once, when torch loads.
 OMP_WAIT_POLICY = "ACTIVE"
+# Beside a GPU the engine's tensors live on the device, and what the host
+# computes (token ids, block tables, a grammar's mask) is small enough for
+# one thread. A pool of one per core would, once any op woke it, spin on
+# every core for nothing: through HTTP on a 16-core H100 host, `loragw serve`
+# kept 15.7 cores busy at concurrency 16 and 64 (docs/benchmarks.md, "On a
+# GPU"). vLLM's GPU workers likewise default to one OpenMP thread.
+GPU_HOST_THREADS = 1
 # /proc/cpuinfo's names: x86 "flags", Arm "Features".
 NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
@@ -57,3 +64,12 @@ def default_thread_wait_policy(environ=os.environ) -> None:
     imported (the `loragw` and worker entry points do); child processes
     inherit it."""
     environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+
+
+def engine_threads(requested: int | None, device_type: str) -> int | None:
+    """The engine's torch intra-op threads: `requested` where the operator
+    gave it; else None (torch's default, one per core) on the CPU and
+    GPU_HOST_THREADS beside a GPU."""
+    if requested:
+        return requested
+    return None if device_type == "cpu" else GPU_HOST_THREADS

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.builder import resolve_dtype
-from engine.host_cpu import ENV_SWITCH, cpu_flags, default_thread_wait_policy, has_native_bfloat16
+from engine.host_cpu import (ENV_SWITCH, GPU_HOST_THREADS, cpu_flags, default_thread_wait_policy, engine_threads,
+                             has_native_bfloat16)
 
 CPU = torch.device("cpu")
 
@@ -44,6 +45,15 @@ def test_auto_dtype_by_device_and_host():
 def test_the_suite_pins_auto_to_float32():
     """tests/conftest.py: exactness against HF is float32 on every host."""
     assert resolve_dtype("auto", CPU) == torch.float32
+
+
+def test_an_engine_beside_a_gpu_keeps_one_host_thread_unless_told():
+    """On the CPU torch's default pool (one thread per core) stays; beside a
+    GPU its spinning threads would only burn the host's cores."""
+    assert engine_threads(None, "cpu") is None
+    assert engine_threads(3, "cpu") == 3
+    assert engine_threads(None, "cuda") == GPU_HOST_THREADS == 1
+    assert engine_threads(8, "cuda") == 8
 
 
 def test_thread_wait_policy_is_a_default_the_operator_can_override():
