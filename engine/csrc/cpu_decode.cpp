@@ -10,8 +10,8 @@
 // span_for). Threads take items longest first from a shared counter,
 // since context lengths in a batch vary.
 //
-// Within an item, positions go 16 at a time (a tile; with 16-position blocks
-// that is one block), whole K/V rows (every KV head) at once, so memory is
+// Within an item, positions go kL at a time (a tile: 16, or 8 on AVX2; with
+// 16-position blocks one block or half of one), whole K/V rows (every KV head) at once, so memory is
 // read in contiguous runs: per KV head, the scores of its query heads on the
 // tile, then the tile's V rows into each one's accumulator.
 #include <immintrin.h>
@@ -23,9 +23,31 @@
 
 namespace {
 
-constexpr int kMaxChunks = 16;  // head_dim <= 256
+// Lanes per vector, and positions per tile. AVX2 gets 8: GCC keeps a 16-lane
+// vector, which AVX2 has no register for, in memory, so every multiply-add
+// on one loaded and stored it, and every broadcast went lane by lane (on a
+// 2-core Zen 3 this kernel spent ~1,000 cycles a position, a quarter of what
+// the memory could feed).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kL = 8;
+inline Lanes<8>::f32 sum_each_lanes(Lanes<8>::f32* a) { return sum_each8(a); }
+inline float hmax_lanes(Lanes<8>::f32 v) { return hmax8(v); }
+#else
+constexpr int kL = kLanes;
+inline f32x16 sum_each_lanes(f32x16* a) { return sum_each(a); }
+inline float hmax_lanes(f32x16 v) { return hmax(v); }
+#endif
+typedef Lanes<kL>::f32 fv;
+typedef int32_t iv __attribute__((vector_size(kL * 4)));
+inline fv exp_lanes_fv(fv x) { return exp_lanes<fv, iv>(x); }
+
+// How far ahead of a tile its prefetches reach: one 16-position block. With
+// AVX2's 8-position tiles, reaching one tile ahead (8) was up to 1.4x slower
+// over 16 sequences of 256 positions (2-core Zen 3, float32).
+constexpr int64_t kAhead = 16;
+constexpr int kMaxChunks = 256 / kL;  // head_dim <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head
-constexpr int64_t kSpan = 512;  // positions per item, a multiple of kLanes
+constexpr int64_t kSpan = 512;  // positions per item, a multiple of kL
 constexpr int64_t kMinSpan = 64;  // ... and the fewest span_for cuts it to
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -70,7 +92,7 @@ struct Item {  // one sequence, or one span of a long one
 // AVX512-BF16 and head_dim is a multiple of 32, the queries are also kept
 // as bfloat16 pairs for vdpbf16ps (exact products, float32 sums).
 struct Scratch {
-  std::vector<f32x16> q, acc, l;
+  std::vector<fv> q, acc, l;
   std::vector<float> m;
 #if defined(__AVX512BF16__)
   std::vector<__m512bh> qb;
@@ -95,10 +117,10 @@ constexpr bool kPairs() {
 // q_h . k_t for the count rows of a tile (each pointing at head h's KV head),
 // lane t (lanes past count: 0).
 template <typename T, int CT>
-inline f32x16 tile_scores(const Scratch& sc, int64_t h, const T* const* rows, int64_t kv_offset, int64_t count,
+inline fv tile_scores(const Scratch& sc, int64_t h, const T* const* rows, int64_t kv_offset, int64_t count,
                           int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
-  f32x16 part[kLanes];
+  fv part[kL];
 #if defined(__AVX512BF16__)
   if constexpr (kPairs<T>()) {
     if (C % 2 == 0) {
@@ -107,23 +129,23 @@ inline f32x16 tile_scores(const Scratch& sc, int64_t h, const T* const* rows, in
         const T* kp = rows[t] + kv_offset;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < C / 2; ++c)
-          acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kp + c * 2 * kLanes));
+          acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kp + c * 2 * kL));
         std::memcpy(&part[t], &acc, sizeof acc);
       }
-      for (int64_t t = count; t < kLanes; ++t) part[t] = f32x16{};
-      return sum_each(part);
+      for (int64_t t = count; t < kL; ++t) part[t] = fv{};
+      return sum_each_lanes(part);
     }
   }
 #endif
-  const f32x16* q = &sc.q[h * C];
+  const fv* q = &sc.q[h * C];
   for (int64_t t = 0; t < count; ++t) {
     const T* kp = rows[t] + kv_offset;
-    f32x16 acc = q[0] * load16(kp);
-    for (int64_t c = 1; c < C; ++c) acc += q[c] * load16(kp + c * kLanes);
+    fv acc = q[0] * load_lanes<kL>(kp);
+    for (int64_t c = 1; c < C; ++c) acc += q[c] * load_lanes<kL>(kp + c * kL);
     part[t] = acc;
   }
-  for (int64_t t = count; t < kLanes; ++t) part[t] = f32x16{};
-  return sum_each(part);
+  for (int64_t t = count; t < kL; ++t) part[t] = fv{};
+  return sum_each_lanes(part);
 }
 
 #if defined(__AVX512BF16__)
@@ -133,36 +155,36 @@ inline f32x16 tile_scores(const Scratch& sc, int64_t h, const T* const* rows, in
 // torch's own bfloat16 attention rounds them before its product with V. An
 // odd last row pairs with zeros.
 template <int CT>
-inline void pair_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kLanes],
+inline void pair_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kL],
                         const c10::BFloat16* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
   // vpermt2w picks word i of a (row t) or 32 + i of b (row t + 1): lane d of
   // the low result is (a[d], b[d]) for d < 16, of the high one for 16 + d.
-  alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
+  alignas(64) static const uint16_t zeros[kMaxChunks * kL] = {};
   alignas(64) static const uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
   const int64_t pairs = (count + 1) / 2;
-  __m512bh w[kLanes / 2][kMaxChunks];
+  __m512bh w[kL / 2][kMaxChunks];
   for (int64_t u = 0; u < pairs; ++u) {
     const c10::BFloat16* r0 = rows[2 * u] + kv_offset;
     const void* r1 = 2 * u + 1 < count ? static_cast<const void*>(rows[2 * u + 1] + kv_offset) : zeros;
     for (int64_t c = 0; c < C / 2; ++c) {
-      const __m512i a = _mm512_loadu_si512(r0 + c * 2 * kLanes);
-      const __m512i b = _mm512_loadu_si512(static_cast<const uint16_t*>(r1) + c * 2 * kLanes);
+      const __m512i a = _mm512_loadu_si512(r0 + c * 2 * kL);
+      const __m512i b = _mm512_loadu_si512(static_cast<const uint16_t*>(r1) + c * 2 * kL);
       w[u][2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, idx_lo, b);
       w[u][2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, idx_hi, b);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    alignas(32) uint32_t pp[kLanes / 2];
+    alignas(32) uint32_t pp[kL / 2];
     __m512 p;
     std::memcpy(&p, probs[g], sizeof p);
     const __m256bh pb = _mm512_cvtneps_pbh(p);
     std::memcpy(pp, &pb, sizeof pp);
-    f32x16* state = &st.acc[(first + g) * C];
+    fv* state = &st.acc[(first + g) * C];
     __m512 acc[kMaxChunks];
     for (int64_t c = 0; c < C; ++c) std::memcpy(&acc[c], &state[c], sizeof acc[c]);
     for (int64_t u = 0; u < pairs; ++u) {
@@ -177,7 +199,7 @@ inline void pair_values(Scratch& st, int64_t first, int64_t group, const float (
 // acc_h += sum_t p_h[t] * v_t for the `group` query heads from `first`
 // (the heads of one KV head), over the count rows of a tile.
 template <typename T, int CT>
-inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kLanes],
+inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kL],
                         const T* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
 #if defined(__AVX512BF16__)
@@ -185,23 +207,23 @@ inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (
     if (C % 2 == 0) return pair_values<CT>(st, first, group, probs, rows, kv_offset, count, C);
   }
 #endif
-  alignas(64) float widened[kLanes][kMaxChunks * kLanes];  // a bfloat16 tile's rows, widened once
-  const float* vf[kLanes];
+  alignas(64) float widened[kL][kMaxChunks * kL];  // a bfloat16 tile's rows, widened once
+  const float* vf[kL];
   for (int64_t t = 0; t < count; ++t) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      for (int64_t c = 0; c < C; ++c) store16(widened[t] + c * kLanes, load16(rows[t] + kv_offset + c * kLanes));
+      for (int64_t c = 0; c < C; ++c) store_lanes<kL>(widened[t] + c * kL, load_lanes<kL>(rows[t] + kv_offset + c * kL));
       vf[t] = widened[t];
     } else {
       vf[t] = rows[t] + kv_offset;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    f32x16 acc[kMaxChunks];
-    f32x16* state = &st.acc[(first + g) * C];
+    fv acc[kMaxChunks];
+    fv* state = &st.acc[(first + g) * C];
     for (int64_t c = 0; c < C; ++c) acc[c] = state[c];
     for (int64_t t = 0; t < count; ++t) {
       const float pt = probs[g][t];
-      for (int64_t c = 0; c < C; ++c) acc[c] += pt * load16(vf[t] + c * kLanes);
+      for (int64_t c = 0; c < C; ++c) acc[c] += pt * load_lanes<kL>(vf[t] + c * kL);
     }
     for (int64_t c = 0; c < C; ++c) state[c] = acc[c];
   }
@@ -212,18 +234,18 @@ inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (
 // sum and the weighted values so far, and returns the tile's weights
 // exp(score - max), added to the sum.
 template <int CT>
-inline f32x16 softmax_step(Scratch& st, int64_t h, f32x16 scores, i32x16 valid, int64_t chunks) {
+inline fv softmax_step(Scratch& st, int64_t h, fv scores, iv valid, int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
-  scores = valid ? scores : f32x16{} + kNegInf;
-  const float m_new = std::max(st.m[h], hmax(scores));
+  scores = valid ? scores : fv{} + kNegInf;
+  const float m_new = std::max(st.m[h], hmax_lanes(scores));
   if (m_new > st.m[h]) {
     const float corr = st.m[h] == kNegInf ? 0.f : std::exp(st.m[h] - m_new);
     st.l[h] *= corr;
     for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] *= corr;
     st.m[h] = m_new;
   }
-  f32x16 p = exp16(scores - m_new);
-  p = valid ? p : f32x16{};
+  fv p = exp_lanes_fv(scores - m_new);
+  p = valid ? p : fv{};
   st.l[h] += p;
   return p;
 }
@@ -231,56 +253,56 @@ inline f32x16 softmax_step(Scratch& st, int64_t h, f32x16 scores, i32x16 valid, 
 template <typename T, int CT>
 void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride0, int64_t q_stride1,
               const T* k_cache, const T* v_cache, int64_t num_heads, float scale, Scratch& st) {
-  const int64_t chunks = seqs.head_dim / kLanes, C = CT ? CT : chunks;
+  const int64_t chunks = seqs.head_dim / kL, C = CT ? CT : chunks;
   const int64_t group = num_heads / seqs.num_kv_heads;
   const int64_t s = seqs.seq_ids[it.i];
   for (int64_t h = 0; h < num_heads; ++h) {
     const T* qp = query + seqs.rows[it.i] * q_stride0 + h * q_stride1;
-    for (int64_t c = 0; c < C; ++c) st.q[h * C + c] = load16(qp + c * kLanes);
+    for (int64_t c = 0; c < C; ++c) st.q[h * C + c] = load_lanes<kL>(qp + c * kL);
 #if defined(__AVX512BF16__)
     if constexpr (kPairs<T>())
-      for (int64_t c = 0; c < C / 2; ++c) st.qb[h * C / 2 + c] = (__m512bh)_mm512_loadu_si512(qp + c * 2 * kLanes);
+      for (int64_t c = 0; c < C / 2; ++c) st.qb[h * C / 2 + c] = (__m512bh)_mm512_loadu_si512(qp + c * 2 * kL);
 #endif
     st.m[h] = kNegInf;
-    st.l[h] = f32x16{};
-    for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] = f32x16{};
+    st.l[h] = fv{};
+    for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] = fv{};
   }
-  alignas(64) float probs[kMaxGroup][kLanes];
-  const T* krows[kLanes];
-  const T* vrows[kLanes];
-  const T* next_k[kLanes];
-  const T* next_v[kLanes];
+  alignas(64) float probs[kMaxGroup][kL];
+  const T* krows[kL];
+  const T* vrows[kL];
+  const T* next_k[kL];
+  const T* next_v[kL];
   const int64_t row_bytes = seqs.num_kv_heads * seqs.head_dim * sizeof(T);
-  i32x16 lane;
-  for (int x = 0; x < kLanes; ++x) lane[x] = x;
-  for (int64_t j0 = it.begin; j0 < it.end; j0 += kLanes) {
-    const int64_t count = std::min<int64_t>(kLanes, it.end - j0);
+  iv lane;
+  for (int x = 0; x < kL; ++x) lane[x] = x;
+  for (int64_t j0 = it.begin; j0 < it.end; j0 += kL) {
+    const int64_t count = std::min<int64_t>(kL, it.end - j0);
     seqs.rows_at(k_cache, s, j0, count, krows);
     seqs.rows_at(v_cache, s, j0, count, vrows);
     // Blocks sit anywhere in the cache, and each is only a few KiB, so the
-    // hardware prefetcher has little to go on: ask for the next tile's rows
-    // into L2 during this one. The requests are spread thinly: each query
+    // hardware prefetcher has little to go on: ask for the rows of the tile
+    // kAhead positions on into L2 during this one. The requests are spread thinly: each query
     // head asks for its share of the K rows before its scores and of the V
     // rows after them. Requests that bunch up stall the loads the work
     // itself needs (a core has only so many misses in flight). On a 2-core
     // Zen 4 the spread before this one (a third of the rows before each KV
     // head's work) was 1.2-1.4x slower, and other ways of asking slower
     // still (docs/engine.md, "Decode attention in one pass").
-    const int64_t next_count = std::min<int64_t>(kLanes, std::max<int64_t>(0, it.end - j0 - kLanes));
+    const int64_t next_count = std::min<int64_t>(kL, std::max<int64_t>(0, it.end - j0 - kAhead));
     if (next_count) {
-      seqs.rows_at(k_cache, s, j0 + kLanes, next_count, next_k);
-      seqs.rows_at(v_cache, s, j0 + kLanes, next_count, next_v);
+      seqs.rows_at(k_cache, s, j0 + kAhead, next_count, next_k);
+      seqs.rows_at(v_cache, s, j0 + kAhead, next_count, next_v);
     }
-    const i32x16 valid = lane < static_cast<int32_t>(count);
+    const iv valid = lane < static_cast<int32_t>(count);
     for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
       const int64_t kv_offset = kv * seqs.head_dim;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
         const int64_t t0 = h * next_count / num_heads, t1 = (h + 1) * next_count / num_heads;
         for (int64_t t = t0; t < t1; ++t) prefetch_l2(next_k[t], row_bytes);
-        const f32x16 scores = tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale;
+        const fv scores = tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale;
         for (int64_t t = t0; t < t1; ++t) prefetch_l2(next_v[t], row_bytes);
-        const f32x16 p = softmax_step<CT>(st, h, scores, valid, C);
+        const fv p = softmax_step<CT>(st, h, scores, valid, C);
         std::memcpy(probs[g], &p, sizeof p);
       }
       tile_values<T, CT>(st, kv * group, group, probs, vrows, kv_offset, count, C);
@@ -289,8 +311,8 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
 }
 
 template <typename T>
-void write_out(T* out, const f32x16* acc, float inv_l, int64_t chunks) {
-  for (int64_t c = 0; c < chunks; ++c) store16(out + c * kLanes, acc[c] * inv_l);
+void write_out(T* out, const fv* acc, float inv_l, int64_t chunks) {
+  for (int64_t c = 0; c < chunks; ++c) store_lanes<kL>(out + c * kL, acc[c] * inv_l);
 }
 
 // Per partial item and query head, `partials` holds the span's max, its
@@ -300,7 +322,7 @@ void write_out(T* out, const f32x16* acc, float inv_l, int64_t chunks) {
 template <typename T>
 void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector<int64_t>& slot_seq,
                  const std::vector<float>& partials, const Seqs& seqs, int64_t num_heads) {
-  const int64_t chunks = seqs.head_dim / kLanes, slot = 2 + seqs.head_dim;
+  const int64_t chunks = seqs.head_dim / kL, slot = 2 + seqs.head_dim;
   const int64_t num_partial = static_cast<int64_t>(slot_seq.size());
   for (int64_t first = 0; first < num_partial;) {
     int64_t last = first;
@@ -308,13 +330,13 @@ void merge_spans(T* out, int64_t o_stride0, int64_t o_stride1, const std::vector
     for (int64_t h = 0; h < num_heads; ++h) {
       float m = kNegInf;
       for (int64_t p = first; p <= last; ++p) m = std::max(m, partials[(p * num_heads + h) * slot]);
-      f32x16 acc[kMaxChunks] = {};
+      fv acc[kMaxChunks] = {};
       float l = 0.f;
       for (int64_t p = first; p <= last; ++p) {
         const float* src = &partials[(p * num_heads + h) * slot];
         const float w = std::exp(src[0] - m);
         l += w * src[1];
-        for (int64_t c = 0; c < chunks; ++c) acc[c] += w * load16(src + 2 + c * kLanes);
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += w * load_lanes<kL>(src + 2 + c * kL);
       }
       write_out(out + seqs.rows[slot_seq[first]] * o_stride0 + h * o_stride1, acc, 1.f / l, chunks);
     }
@@ -332,7 +354,7 @@ int64_t span_for(const Seqs& seqs, int64_t n, int64_t threads) {
   int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, seqs.seq_lens[seqs.seq_ids[i]]);
   const int64_t per_seq = (threads + n - 1) / n;
-  const int64_t span = ((longest + per_seq - 1) / per_seq + kLanes - 1) / kLanes * kLanes;
+  const int64_t span = ((longest + per_seq - 1) / per_seq + kL - 1) / kL * kL;
   return std::clamp(span, kMinSpan, kSpan);
 }
 
@@ -340,7 +362,7 @@ template <typename T, int CT>
 void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query, int64_t q_stride0,
                     int64_t q_stride1, const T* k_cache, const T* v_cache, const Seqs& seqs, int64_t n,
                     int64_t num_heads, float scale, bool serial) {
-  const int64_t chunks = seqs.head_dim / kLanes;
+  const int64_t chunks = seqs.head_dim / kL;
   const int64_t span = span_for(seqs, n, serial ? 1 : at::get_num_threads());
   std::vector<Item> items;
   std::vector<int64_t> slot_seq;  // the sequence of each partial slot
@@ -361,14 +383,14 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
 
   auto finish = [&](const Item& it, const Scratch& st) {
     for (int64_t h = 0; h < num_heads; ++h) {
-      const f32x16* acc = &st.acc[h * chunks];
+      const fv* acc = &st.acc[h * chunks];
       if (it.partial < 0) {
-        write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / hsum<kLanes>(st.l[h]), chunks);
+        write_out(out + seqs.rows[it.i] * o_stride0 + h * o_stride1, acc, 1.f / hsum<kL>(st.l[h]), chunks);
       } else {
         float* dst = &partials[(it.partial * num_heads + h) * slot];
         dst[0] = st.m[h];
-        dst[1] = hsum<kLanes>(st.l[h]);
-        for (int64_t c = 0; c < chunks; ++c) store16(dst + 2 + c * kLanes, acc[c]);
+        dst[1] = hsum<kL>(st.l[h]);
+        for (int64_t c = 0; c < chunks; ++c) store_lanes<kL>(dst + 2 + c * kL, acc[c]);
       }
     }
   };
@@ -416,10 +438,11 @@ void dispatch(torch::Tensor& out, const torch::Tensor& query, const torch::Tenso
   };
   // The common head sizes get loops of fixed length (their accumulators in
   // registers); others run the same code with a runtime length.
-  switch (seqs.head_dim / kLanes) {
+  switch (seqs.head_dim / kL) {
     case 2: run(std::integral_constant<int, 2>{}); break;
     case 4: run(std::integral_constant<int, 4>{}); break;
     case 8: run(std::integral_constant<int, 8>{}); break;
+    case 16: run(std::integral_constant<int, 16>{}); break;
     default: run(std::integral_constant<int, 0>{}); break;
   }
 }
