@@ -70,31 +70,26 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 inline f32x16 load16(const float* p) { return load_lanes<16>(p); }
 inline f32x16 load16(const c10::BFloat16* p) { return load_lanes<16>(p); }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef Lanes<16>::u16 u16x16;
 
 // Each lane's float32 bits rounded to bfloat16 as c10 rounds a float (to
 // nearest, ties to even; every NaN to 0x7FC0), the result in the top half of
 // each lane. c10's own conversion is scalar: rounding a register tile's 16
 // sums with it one at a time took a sixth of a Q4_1 call at 16-32 rows
 // (engine/csrc/quant_linear.cpp).
-inline u32x16 bf16_rounded_bits(f32x16 v) {
-  u32x16 u;
+template <int N>
+inline typename Lanes<N>::u32 bf16_rounded_lanes(typename Lanes<N>::f32 v) {
+  typedef typename Lanes<N>::u32 u32;
+  u32 u;
   std::memcpy(&u, &v, sizeof u);
-  const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return (v != v) ? u32x16{} + 0x7FC00000u : rounded;
+  const u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (v != v) ? u32{} + 0x7FC00000u : rounded;
 }
 
-inline u16x16 to_bf16(f32x16 v) { return __builtin_convertvector(bf16_rounded_bits(v) >> 16, u16x16); }
+inline u32x16 bf16_rounded_bits(f32x16 v) { return bf16_rounded_lanes<16>(v); }
 
-inline void store16(c10::BFloat16* p, f32x16 v) {  // rounds to nearest even, as torch does
-  const u16x16 h = to_bf16(v);
-  std::memcpy(p, &h, sizeof h);
-}
-
-// N lanes stored as float32, or rounded to bfloat16 as store16 rounds.
+// N lanes stored as float32, or rounded to bfloat16 to nearest even, as
+// torch rounds.
 template <int N>
 inline void store_lanes(float* p, typename Lanes<N>::f32 v) {
   std::memcpy(p, &v, sizeof v);
@@ -102,14 +97,12 @@ inline void store_lanes(float* p, typename Lanes<N>::f32 v) {
 
 template <int N>
 inline void store_lanes(c10::BFloat16* p, typename Lanes<N>::f32 v) {
-  typedef typename Lanes<N>::u32 u32;
-  u32 u;
-  std::memcpy(&u, &v, sizeof u);
-  const u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const u32 bits = (v != v) ? u32{} + 0x7FC00000u : rounded;
-  const typename Lanes<N>::u16 h = __builtin_convertvector(bits >> 16, typename Lanes<N>::u16);
+  const auto h = __builtin_convertvector(bf16_rounded_lanes<N>(v) >> 16, typename Lanes<N>::u16);
   std::memcpy(p, &h, sizeof h);
 }
+
+inline void store16(float* p, f32x16 v) { store_lanes<16>(p, v); }
+inline void store16(c10::BFloat16* p, f32x16 v) { store_lanes<16>(p, v); }
 
 // out[j, c] += bias[c] for the m token rows and the weight-row tile c0 ..
 // c0 + nr of a skinny linear's output, the sum rounded once to T.
@@ -121,53 +114,13 @@ inline void add_bias_tile(T* out, int64_t out_stride, int64_t m, const T* bias, 
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// On AVX2 a 16-lane vector is two registers, and GCC lowers a shuffle across
-// them lane by lane, through scalar moves: the generic trees below cost the
-// decode attention kernel ~1,000 cycles a position on a Zen 3 (a tenth of
-// what it reads from memory in that time). These are the same trees, addition
+// On AVX2 GCC lowers a shuffle of a 16-lane vector lane by lane, through
+// scalar moves and the stack. These are the generic trees below, addition
 // for addition (so the same bits), in AVX2's own in-register shuffles.
 
-inline __m256 low_half(f32x16 v) {
-  __m256 h;
-  std::memcpy(&h, &v, sizeof h);
-  return h;
-}
-
-inline __m256 high_half(f32x16 v) {
-  __m256 h;
-  std::memcpy(&h, reinterpret_cast<const char*>(&v) + sizeof h, sizeof h);
-  return h;
-}
-
-// Lane i of the result, i < 4, is the sum of the 8 lanes of h[i], as the
-// pairwise tree adds them: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)).
-inline __m128 sum_each_half(__m256 h0, __m256 h1, __m256 h2, __m256 h3) {
-  // Per 128-bit half: adjacent pairs, then pairs of those (quads 0-3, 4-7).
-  const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
-  return _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
-}
-
-// Lane i of the result is the sum of the 16 lanes of a[i], in the order of
-// the generic tree: the sum of lanes 0-7 plus the sum of lanes 8-15, each a
-// pairwise tree.
-inline f32x16 sum_each(f32x16* a) {
-  __m128 sums[4];
-  for (int g = 0; g < 4; ++g) {
-    const f32x16* v = a + 4 * g;
-    sums[g] = _mm_add_ps(sum_each_half(low_half(v[0]), low_half(v[1]), low_half(v[2]), low_half(v[3])),
-                         sum_each_half(high_half(v[0]), high_half(v[1]), high_half(v[2]), high_half(v[3])));
-  }
-  const __m256 lo = _mm256_insertf128_ps(_mm256_castps128_ps256(sums[0]), sums[1], 1);
-  const __m256 hi = _mm256_insertf128_ps(_mm256_castps128_ps256(sums[2]), sums[3], 1);
-  f32x16 out;
-  std::memcpy(&out, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
-  return out;
-}
-
-// The same for 8 vectors of 8 lanes (one AVX2 register each): lane i is
-// ((a[i]0 + a[i]1) + (a[i]2 + a[i]3)) + ((a[i]4 + a[i]5) + (a[i]6 + a[i]7)).
-inline Lanes<8>::f32 sum_each8(Lanes<8>::f32* a) {
+// Lane i of the result is the sum of the 8 lanes of a[i] (one AVX2 register
+// each): ((a[i]0 + a[i]1) + (a[i]2 + a[i]3)) + ((a[i]4 + a[i]5) + (a[i]6 + a[i]7)).
+inline Lanes<8>::f32 sum_each8(const Lanes<8>::f32* a) {
   __m256 v[8];
   std::memcpy(v, a, sizeof v);
   // Per 128-bit half: quads 0-3 (low) and 4-7 (high) of a[0..3], then a[4..7].
@@ -177,6 +130,20 @@ inline Lanes<8>::f32 sum_each8(Lanes<8>::f32* a) {
   Lanes<8>::f32 out;
   std::memcpy(&out, &sums, sizeof out);
   return out;
+}
+
+// Lane i of the result is the sum of the 16 lanes of a[i], in the generic
+// tree's order: the sum of lanes 0-7 plus the sum of lanes 8-15.
+inline f32x16 sum_each(const f32x16* a) {
+  Lanes<8>::f32 halves[2][kLanes];  // [0]: lanes 0-7 of each a[i], [1]: lanes 8-15
+  for (int i = 0; i < kLanes; ++i) std::memcpy(&halves[0][i], &a[i], sizeof halves[0][i]);
+  for (int i = 0; i < kLanes; ++i)
+    std::memcpy(&halves[1][i], reinterpret_cast<const char*>(&a[i]) + sizeof halves[1][i], sizeof halves[1][i]);
+  Lanes<8>::f32 out[2];
+  for (int g = 0; g < 2; ++g) out[g] = sum_each8(&halves[0][8 * g]) + sum_each8(&halves[1][8 * g]);
+  f32x16 sums;
+  std::memcpy(&sums, out, sizeof sums);
+  return sums;
 }
 
 #else
@@ -235,33 +202,10 @@ inline F exp_lanes(F x) {
   return p;
 }
 
-inline f32x16 exp16(f32x16 x) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // Two 8-lane halves: GCC lowers the clamps' compares on a 16-lane vector
-  // lane by lane on AVX2 (see sum_each), on an 8-lane one to one compare.
-  typedef Lanes<8>::f32 f32x8;
-  typedef int32_t i32x8 __attribute__((vector_size(32)));
-  f32x8 half[2];
-  std::memcpy(half, &x, sizeof x);
-  half[0] = exp_lanes<f32x8, i32x8>(half[0]);
-  half[1] = exp_lanes<f32x8, i32x8>(half[1]);
-  std::memcpy(&x, half, sizeof x);
-  return x;
-#else
-  return exp_lanes<f32x16, i32x16>(x);
-#endif
-}
+inline f32x16 exp16(f32x16 x) { return exp_lanes<f32x16, i32x16>(x); }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// The largest lane (see sum_each above for why AVX2 has its own).
-inline float hmax(f32x16 v) {
-  __m256 m = _mm256_max_ps(low_half(v), high_half(v));
-  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-  m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
-  m = _mm256_max_ps(m, _mm256_permute_ps(m, 0xB1));
-  return _mm256_cvtss_f32(m);
-}
-
+// The largest of 8 lanes, in AVX2's in-register shuffles (see sum_each).
 inline float hmax8(Lanes<8>::f32 v) {
   __m256 m;
   std::memcpy(&m, &v, sizeof m);
@@ -270,7 +214,8 @@ inline float hmax8(Lanes<8>::f32 v) {
   m = _mm256_max_ps(m, _mm256_permute_ps(m, 0xB1));
   return _mm256_cvtss_f32(m);
 }
-#else
+#endif
+
 // The largest lane: a tree of four shuffles, not a chain of 15 compares.
 inline float hmax(f32x16 v) {
   const i32x16 swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -283,7 +228,6 @@ inline float hmax(f32x16 v) {
   }
   return v[0];
 }
-#endif
 
 // y[j * y_stride + k] = x_j . w_k for JB rows of x (x_stride apart) and the
 // nk rows of w ([nk, k_dim], rows contiguous), in float32, rounded to O on
