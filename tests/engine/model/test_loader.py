@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -287,15 +286,18 @@ def test_concurrent_conversion_keeps_the_winners_copy(fake_gguf, monkeypatch):
 
 
 @pytest.mark.smollm
-def test_bundled_smollm2_matches_hf_and_reloads_fast():
-    """Uses the default cache dir (CI warms it); converts on first use otherwise."""
+def test_bundled_smollm2_matches_hf_and_reloads_from_the_cache(monkeypatch):
+    """Uses the default cache dir (CI warms it); converts on first use otherwise.
+
+    A reload must come from the cached conversion, never convert again; how
+    long it takes is a benchmark's business, not an assertion on a shared host."""
+    load_model(None, dtype=torch.float32, device=CPU, attn_backend=TorchAttentionBackend())
+
+    def no_second_conversion(gguf, out_dir):
+        raise AssertionError(f"reloading converted {gguf} again")
+
+    monkeypatch.setattr(loader, "_convert_gguf", no_second_conversion)
     loaded = load_model(None, dtype=torch.float32, device=CPU, attn_backend=TorchAttentionBackend())
-    reloads = []
-    for _ in range(2):  # best of two: this machine's other tenants make single timings noisy
-        start = time.perf_counter()
-        loaded = load_model(None, dtype=torch.float32, device=CPU, attn_backend=TorchAttentionBackend())
-        reloads.append(time.perf_counter() - start)
-    assert min(reloads) < 1.0, reloads
     assert loaded.has_chat_template and loaded.eos_token_ids == frozenset({2})
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
