@@ -424,6 +424,52 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
   }
 }
 
+// dot_tile_bf16 for up to kDotX token rows without the tile: each weight
+// row's blocks are dequantized into registers and multiplied by every token
+// row at once. Each sum sees the same products in the same order as in the
+// tile (its blocks in order, one accumulator, then sum_each), so every
+// result is bit for bit the tile's. With so few token rows a tile is read
+// back only once or a few times, and a 16-row tile of a long row (48 KB at
+// K = 1536) overflows a core's L1: streamed from memory, a one-row call on
+// the 576 x 1536 down weight took 43-44 us through the tile on 2 Zen 5
+// cores, 24-25 us this way (docs/engine.md, "Up to 4 token rows, no tile").
+template <int JB, typename Rows>
+void dot_rows_direct_bf16(const c10::BFloat16* x, int64_t x_stride, const Rows& rows, int64_t n0, int64_t nr,
+                          int64_t k, c10::BFloat16* y, int64_t y_stride) {
+  const int64_t blocks = k / kBlock;
+  f32x16 lanes[JB][kLanes];
+  for (int kk = 0; kk < kLanes; ++kk) {
+    const int64_t r = n0 + std::min<int64_t>(kk, nr - 1);  // rows past nr repeat the last, then are dropped
+    __m512 acc[JB];
+    for (int jj = 0; jj < JB; ++jj) acc[jj] = _mm512_setzero_ps();
+    int64_t b = 0;
+    if constexpr (Rows::kPairs) {
+      for (; b + 2 <= blocks; b += 2) {
+        __m512bh pair[2];
+        rows.bf16_block_pair(r, b, pair);
+        for (int jj = 0; jj < JB; ++jj)
+          acc[jj] = _mm512_dpbf16_ps(acc[jj], load_bf16x32(x + jj * x_stride + b * kBlock), pair[0]);
+        for (int jj = 0; jj < JB; ++jj)
+          acc[jj] = _mm512_dpbf16_ps(acc[jj], load_bf16x32(x + jj * x_stride + (b + 1) * kBlock), pair[1]);
+      }
+    }
+    for (; b < blocks; ++b) {
+      const __m512bh w = rows.bf16_block(r, b);
+      for (int jj = 0; jj < JB; ++jj) acc[jj] = _mm512_dpbf16_ps(acc[jj], load_bf16x32(x + jj * x_stride + b * kBlock), w);
+    }
+    for (int jj = 0; jj < JB; ++jj) std::memcpy(&lanes[jj][kk], &acc[jj], sizeof acc[jj]);
+  }
+  for (int jj = 0; jj < JB; ++jj) {
+    const f32x16 summed = sum_each(lanes[jj]);
+    __m512 sums_ps;
+    std::memcpy(&sums_ps, &summed, sizeof sums_ps);
+    const __m256bh rounded = _mm512_cvtneps_pbh(sums_ps);  // as dot_tile_bf16 rounds
+    c10::BFloat16 sums[kLanes];
+    std::memcpy(sums, &rounded, sizeof sums);
+    std::memcpy(y + jj * y_stride, sums, sizeof sums[0] * nr);
+  }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // The same tiles on AMX, where the CPU has it (a Xeon from Sapphire Rapids
 // on). There oneDNN's packed bfloat16 product beat the loop above from 2
@@ -601,6 +647,24 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
     return;
   }
 #endif
+  if (m <= kDotX) {
+    auto direct = [&](auto rows_tag) {
+      constexpr int JB = decltype(rows_tag)::value;
+      at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * kRowTile;
+          dot_rows_direct_bf16<JB>(x, x_stride, rows, n0, std::min(kRowTile, n - n0), k, out + n0, out_stride);
+        }
+      });
+    };
+    switch (m) {
+      case 1: direct(std::integral_constant<int, 1>{}); break;
+      case 2: direct(std::integral_constant<int, 2>{}); break;
+      case 3: direct(std::integral_constant<int, 3>{}); break;
+      default: direct(std::integral_constant<int, 4>{}); break;
+    }
+    return;
+  }
   at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> tile(kRowTile * (k / kBlock));
     for (int64_t t = begin; t < end; ++t) {

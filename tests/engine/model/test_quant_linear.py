@@ -110,13 +110,14 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
     change with speculation on. 37 rows take three of AMX's 16-row tiles, in
-    two passes."""
+    two passes; without AMX, calls of up to 4 rows skip the dequantized
+    tile in bfloat16, and the splits put 1, 2, 3 and 4 rows against it."""
     qws, gen = _weights((100, 96), seed=4)  # 100 rows: a partial weight tile
     qw = qws[fmt]
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     together = torch.empty(rows, 100, dtype=dtype)
     assert qw.run_kernel(kernel, x, None, together)
-    for split in ((1,) * rows, (4, rows - 4), (8, rows - 8)):
+    for split in ((1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8)):
         parts = [torch.empty(len(rows), 100, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
             assert qw.run_kernel(kernel, rows, None, out)
