@@ -647,7 +647,7 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
     return;
   }
 #endif
-  if (m <= kDotX) {
+  if (0 < m && m <= kDotX) {  // (the direct path would read x rows that an empty call lacks)
     auto direct = [&](auto rows_tag) {
       constexpr int JB = decltype(rows_tag)::value;
       at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
