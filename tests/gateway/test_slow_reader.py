@@ -135,6 +135,11 @@ def test_slow_reader_memory_stays_linear_in_the_output(live):
 # loaded host produced only 2.1-2.7 MB (3 runs in 4 failed beside two busy
 # processes on 2 cores); 6 s gives three times the room.
 STREAM_DEADLINE_S = 6.0
+# The reader that keeps up must still be streaming at the deadline: each
+# engine step is paced to at least this, so its 2,000 tokens take over 3x
+# the deadline. Unpaced, a fast host (2 Zen 5 cores) generated them in
+# under 6 s, and the stream ended normally, with no error event.
+PACED_STEP_S = 0.01
 
 
 @pytest.mark.parametrize("live", [{"max_stream_seconds": STREAM_DEADLINE_S}], indirect=True)
@@ -161,6 +166,7 @@ def test_slow_reader_is_cut_off_at_the_stream_deadline(live):
         sock.close()
     assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
 
+    gw.engine.add_usage_sink(lambda usage: time.sleep(PACED_STEP_S))  # on the engine thread, after each step
     body = {**_stream_body(gw), "n": 1, "logprobs": False, "top_logprobs": None}
     headers = {"Authorization": f"Bearer {live.key}"}
     with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, headers=headers, timeout=30) as stream:

@@ -54,11 +54,29 @@ def naive_weight(qw) -> torch.Tensor:
     return w
 
 
-def _weights(shape, seed):
+def _weights(shape, seed, *, twin_blocks=False):
+    """Every format's quantization of one random weight. `twin_blocks`:
+    columns 32-63 repeat columns 0-31, so each format stores the two blocks
+    alike (see `_cancelling_rows`)."""
     gen = torch.Generator().manual_seed(seed)
     n, k = shape
     w = torch.randn(n, k, generator=gen) * k**-0.5
+    if twin_blocks:
+        w[:, 32:64] = w[:, :32]
     return {fmt: quant_linear.quantize(w, fmt) for fmt in FORMATS}, gen
+
+
+def _cancelling_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with a large first block that its second negates: against weights of
+    twin blocks the two cancel, and what is left of a sum is mostly the
+    rounding of its large partial sums, which another order of summation
+    rounds differently. A row count that changed the order would show in
+    the output, where random inputs mostly hide it below the output's own
+    rounding."""
+    x = x.clone()
+    x[:, :32] *= 256
+    x[:, 32:64] = -x[:, :32]
+    return x
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +109,11 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_bias_and_strided_rows(kernel, fmt, dtype):
+@pytest.mark.parametrize("rows", [3, 5])  # bfloat16's blocked formats: without and with a dequantized tile
+def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
     qws, gen = _weights((80, 96), seed=9)
     qw = qws[fmt]
-    x = torch.randn(5, 200, generator=gen).to(dtype)[:, 7:103]  # rows 200 apart
+    x = torch.randn(rows, 200, generator=gen).to(dtype)[:, 7:103]  # rows 200 apart
     bias = torch.randn(80, generator=gen).to(dtype)
     rec = recording(kernel, KERNELS[fmt])
     got = quant_linear.linear(rec, x, qw, bias)
@@ -106,15 +125,18 @@ def test_bias_and_strided_rows(kernel, fmt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [13, 37])
-def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows):
+@pytest.mark.parametrize("cancelling", [False, True], ids=["random", "cancelling"])
+def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows, cancelling):
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
     change with speculation on. 37 rows take three of AMX's 16-row tiles, in
     two passes; without AMX, calls of up to 4 rows skip the dequantized
     tile in bfloat16, and the splits put 1, 2, 3 and 4 rows against it."""
-    qws, gen = _weights((100, 96), seed=4)  # 100 rows: a partial weight tile
+    qws, gen = _weights((100, 96), seed=4, twin_blocks=cancelling)  # 100 rows: a partial weight tile
     qw = qws[fmt]
     x = torch.randn(rows, 96, generator=gen).to(dtype)
+    if cancelling:
+        x = _cancelling_rows(x)
     together = torch.empty(rows, 100, dtype=dtype)
     assert qw.run_kernel(kernel, x, None, together)
     for split in ((1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8)):
