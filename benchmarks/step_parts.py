@@ -28,14 +28,16 @@ import time
 from collections import Counter, defaultdict
 
 from machine import load_average, machine_facts, write_json
-from throughput import forced_params, make_workload, warm_up_engine
+from throughput import STEP_BINS, forced_params, make_workload, warm_up_engine
 
 PARTS = ("linear layers", "attention", "LM head", "norms", "rotary", "SiLU and product")
-BUCKETS = ((4, "<= 4"), (16, "5-16"), (64, "17-64"), (None, "larger"))
+# throughput.py's bins, by name: "<= 4", "5-16", "17-64", "larger".
+BIN_NAMES = [f"{low + 1}-{high}" if low else f"<= {high}" for low, high in zip((0, *STEP_BINS), STEP_BINS[:-1])]
+BIN_NAMES.append("larger")
 
 
-def bucket_of(tokens: int) -> str:
-    return next(name for limit, name in BUCKETS if limit is None or tokens <= limit)
+def bin_of(tokens: int) -> str:
+    return BIN_NAMES[next(i for i, high in enumerate(STEP_BINS) if tokens <= high)]
 
 
 def time_parts(runner, spent: Counter) -> None:
@@ -81,11 +83,11 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         engine.step(final_only=True)
         spent["step"] = time.perf_counter() - t0
-        bucket = bucket_of(engine.core.last_schedule.num_batched_tokens)
-        totals[bucket].update(spent)
-        steps[bucket] += 1
+        name = bin_of(engine.core.last_schedule.num_batched_tokens)
+        totals[name].update(spent)
+        steps[name] += 1
     table = {}
-    for _, name in BUCKETS:
+    for name in BIN_NAMES:
         if not steps[name]:
             continue
         ms = {part: round(1e3 * totals[name][part] / steps[name], 2) for part in ("step", *PARTS)}

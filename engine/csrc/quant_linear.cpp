@@ -353,6 +353,22 @@ constexpr int kDotW = 4;
 // Rows n0 .. n0 + nr of a blocked weight (Q4_1, Q8_0), as bfloat16 lanes:
 // block b of row r at tile[r * row_step + b * block_step]. Row-major, tile
 // [nr][k], by default; the AMX path lays the blocks out the other way.
+// f(b, block b of row n as bfloat16 lanes) for the row's blocks in order:
+// two at a time where the format dequantizes pairs, the odd last alone.
+template <typename Rows, typename F>
+inline void each_bf16_block(const Rows& rows, int64_t n, int64_t blocks, F&& f) {
+  int64_t b = 0;
+  if constexpr (Rows::kPairs) {
+    for (; b + 2 <= blocks; b += 2) {
+      __m512bh pair[2];
+      rows.bf16_block_pair(n, b, pair);
+      f(b, pair[0]);
+      f(b + 1, pair[1]);
+    }
+  }
+  for (; b < blocks; ++b) f(b, rows.bf16_block(n, b));
+}
+
 template <typename Rows>
 void dequantize_bf16(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512bh* tile,
                      int64_t row_step = -1, int64_t block_step = 1) {
@@ -360,16 +376,7 @@ void dequantize_bf16(const Rows& rows, int64_t n0, int64_t nr, int64_t k, __m512
   if (row_step < 0) row_step = blocks;
   for (int64_t r = 0; r < nr; ++r) {
     __m512bh* out = tile + r * row_step;
-    int64_t b = 0;
-    if constexpr (Rows::kPairs) {
-      for (; b + 2 <= blocks; b += 2) {
-        __m512bh pair[2];
-        rows.bf16_block_pair(n0 + r, b, pair);
-        out[b * block_step] = pair[0];
-        out[(b + 1) * block_step] = pair[1];
-      }
-    }
-    for (; b < blocks; ++b) out[b * block_step] = rows.bf16_block(n0 + r, b);
+    each_bf16_block(rows, n0 + r, blocks, [&](int64_t b, __m512bh w) { out[b * block_step] = w; });
   }
 }
 
@@ -377,6 +384,19 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) {
   __m512bh v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// sums[i] = the sum of the 16 lanes of lanes[i] (sum_each), rounded to
+// bfloat16 by one instruction (to nearest even, as c10, but it flushes
+// denormals to zero where c10 keeps them): at 16-32 rows, c10's conversion
+// one sum at a time took a sixth of a call, and store16's portable rounding
+// ~6% more than this.
+inline void rounded_sums(f32x16* lanes, c10::BFloat16* sums) {
+  const f32x16 summed = sum_each(lanes);
+  __m512 sums_ps;
+  std::memcpy(&sums_ps, &summed, sizeof sums_ps);
+  const __m256bh rounded = _mm512_cvtneps_pbh(sums_ps);
+  std::memcpy(sums, &rounded, sizeof rounded);
 }
 
 // y[j * y_stride + r] = x_j . tile_r for JB token rows and the nr tile rows,
@@ -405,16 +425,8 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
     }
     f32x16 lanes[kLanes];
     std::memcpy(lanes, acc, sizeof lanes);
-    // One instruction rounds the 16 sums (to nearest even, as c10, but it
-    // flushes denormals to zero where c10 keeps them): at 16-32 rows, c10's
-    // conversion one sum at a time took a sixth of the call, and store16's
-    // portable rounding ~6% more than this.
-    const f32x16 summed = sum_each(lanes);
-    __m512 sums_ps;
-    std::memcpy(&sums_ps, &summed, sizeof sums_ps);
-    const __m256bh rounded = _mm512_cvtneps_pbh(sums_ps);
     c10::BFloat16 sums[kLanes];
-    std::memcpy(sums, &rounded, sizeof sums);
+    rounded_sums(lanes, sums);
     if (r0 + KW <= nr) {  // a fixed-size copy a row; a group past nr drops its repeated rows
       for (int jj = 0; jj < JB; ++jj) std::memcpy(y + jj * y_stride + r0, sums + jj * KW, sizeof sums[0] * KW);
     } else {
@@ -427,7 +439,7 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
 // dot_tile_bf16 for up to kDotX token rows without the tile: each weight
 // row's blocks are dequantized into registers and multiplied by every token
 // row at once. Each sum sees the same products in the same order as in the
-// tile (its blocks in order, one accumulator, then sum_each), so every
+// tile (its blocks in order, one accumulator, then rounded_sums), so every
 // result is bit for bit the tile's. With so few token rows a tile is read
 // back only once or a few times, and a 16-row tile of a long row (48 KB at
 // K = 1536) overflows a core's L1: streamed from memory, a one-row call on
@@ -442,30 +454,14 @@ void dot_rows_direct_bf16(const c10::BFloat16* x, int64_t x_stride, const Rows& 
     const int64_t r = n0 + std::min<int64_t>(kk, nr - 1);  // rows past nr repeat the last, then are dropped
     __m512 acc[JB];
     for (int jj = 0; jj < JB; ++jj) acc[jj] = _mm512_setzero_ps();
-    int64_t b = 0;
-    if constexpr (Rows::kPairs) {
-      for (; b + 2 <= blocks; b += 2) {
-        __m512bh pair[2];
-        rows.bf16_block_pair(r, b, pair);
-        for (int jj = 0; jj < JB; ++jj)
-          acc[jj] = _mm512_dpbf16_ps(acc[jj], load_bf16x32(x + jj * x_stride + b * kBlock), pair[0]);
-        for (int jj = 0; jj < JB; ++jj)
-          acc[jj] = _mm512_dpbf16_ps(acc[jj], load_bf16x32(x + jj * x_stride + (b + 1) * kBlock), pair[1]);
-      }
-    }
-    for (; b < blocks; ++b) {
-      const __m512bh w = rows.bf16_block(r, b);
+    each_bf16_block(rows, r, blocks, [&](int64_t b, __m512bh w) {
       for (int jj = 0; jj < JB; ++jj) acc[jj] = _mm512_dpbf16_ps(acc[jj], load_bf16x32(x + jj * x_stride + b * kBlock), w);
-    }
+    });
     for (int jj = 0; jj < JB; ++jj) std::memcpy(&lanes[jj][kk], &acc[jj], sizeof acc[jj]);
   }
   for (int jj = 0; jj < JB; ++jj) {
-    const f32x16 summed = sum_each(lanes[jj]);
-    __m512 sums_ps;
-    std::memcpy(&sums_ps, &summed, sizeof sums_ps);
-    const __m256bh rounded = _mm512_cvtneps_pbh(sums_ps);  // as dot_tile_bf16 rounds
     c10::BFloat16 sums[kLanes];
-    std::memcpy(sums, &rounded, sizeof sums);
+    rounded_sums(lanes[jj], sums);
     std::memcpy(y + jj * y_stride, sums, sizeof sums[0] * nr);
   }
 }
