@@ -17,6 +17,9 @@ shared host). Paths:
   int8_torchao   torchao Int8WeightOnlyConfig on an nn.Linear
   int4_ours      engine/csrc/quant_linear.cpp, Q4_1 (group 32, d and m)
   q8_0_ours      the same file, Q8_0 (group 32, d): the LM head's GGUF format
+  int4_act8      float32 on an AVX2 build: Q4_1 with the activations rounded
+                 to int8 per block of 32 (the engine's int8 activations)
+  q8_0_act8      the same for Q8_0
   int4_torchao   torchao's CPU int4 (PrototypeInt4WeightOnlyConfig, group 32:
                  torch._weight_int4pack_mm_for_cpu)
   int4_twin      our torch twin: dequantize for the call, then F.linear
@@ -34,6 +37,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the other CPU benchmarks; see throughput.py
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -90,6 +94,11 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
         "q8_0_ours": kernel_call(lambda x, i, out: q8[i].run_kernel(qk, x, None, out)),
         "int4_twin": lambda x, i: quant_linear.twin(x, q4[i]),
     }
+    if dtype == torch.float32 and qk.int8_activations_built():
+        q4a = [dataclasses.replace(w, int8_activations=True) for w in q4]
+        q8a = [dataclasses.replace(w, int8_activations=True) for w in q8]
+        paths["int4_act8"] = kernel_call(lambda x, i, out: q4a[i].run_kernel(qk, x, None, out))
+        paths["q8_0_act8"] = kernel_call(lambda x, i, out: q8a[i].run_kernel(qk, x, None, out))
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         packed = [cpu_linear.packed_copy(w) for w in weights]
         paths["float_packed"] = lambda x, i: cpu_linear.linear(None, x, weights[i], None, packed[i])

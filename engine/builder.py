@@ -98,7 +98,7 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
         load_cpu_kernels()
     attn = get_attention_backend(config.attention_backend, device)
     loaded = load_model(config.model, dtype=dtype, device=device, attn_backend=attn,
-                        quantization=config.quantization)
+                        quantization=config.quantization, activation_quantization=config.activation_quantization)
 
     cache = config.cache
     bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, dtype)

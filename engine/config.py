@@ -21,6 +21,8 @@ from engine.errors import ValidationError
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight-only quantization of the linears and LM head (engine/model/quant_linear.py).
 _QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# Activations rounded to int8 in the blocked kernels' calls (engine/model/quant_linear.py).
+_ACTIVATION_QUANTIZATIONS = ("none", "int8")
 DEFAULT_CPU_KV_BYTES = 4 * 1024**3
 
 
@@ -188,6 +190,13 @@ class EngineConfig:
                                      "linears' weights are exactly Q4_1 values (a Q4_1 GGUF, as the bundled "
                                      "model) small-batch decode on the CPU reads them as Q4_1 and the rest "
                                      "stays float; the model's values do not change (docs/engine.md)")
+    # Opt-in: it changes the model's values more than bfloat16 does
+    # (docs/engine.md, "Int8 activations").
+    activation_quantization: str = setting(
+        "none", choices=_ACTIVATION_QUANTIZATIONS,
+        help="int8: round float32 activations to int8 per block of 32 in the Q4_1/Q8_0 kernels' calls (small-"
+             "batch decode on a CPU with AVX2), as llama.cpp computes: faster, and less exact than float32 or "
+             "bfloat16; needs --dtype float32 and Q4_1 weights (--quantization auto on a Q4_1 GGUF, or int4)")
     # The adapter registry; $LORAGW_DATA_DIR is read where the registry opens.
     data_dir: str | None = setting(None, flag=None, help="None: $LORAGW_DATA_DIR or the user data dir")
     scheduler: SchedulerConfig = section(SchedulerConfig, title="scheduler")
@@ -200,6 +209,8 @@ class EngineConfig:
             raise ValidationError("dtype", f"must be one of {_DTYPES}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValidationError("quantization", f"must be one of {_QUANTIZATIONS}")
+        if self.activation_quantization not in _ACTIVATION_QUANTIZATIONS:
+            raise ValidationError("activation_quantization", f"must be one of {_ACTIVATION_QUANTIZATIONS}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValidationError("num_threads", "must be >= 1 (None: torch's default)")
 

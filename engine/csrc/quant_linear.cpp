@@ -7,6 +7,8 @@
 //         (high nibble), as GGUF's Q4_1; w = d * q + m
 //   q8_0: q [N, K] int8, d [N, K / 32] float16 (one scale per block of 32),
 //         as GGUF's Q8_0; w = d * q
+// Q4_1 and Q8_0 calls may also round float32 activations to int8 first
+// (int8_blocks, activation quantization int8).
 #include "vector_helpers.h"
 
 #include <c10/util/Half.h>
@@ -37,6 +39,11 @@ constexpr int kTileRowsX1 = 8;
 // measured there only; an AVX-512 host keeps the per-vector loop.
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 #define LORAGW_BLOCKED_F32 1
+#endif
+// Float32 activations rounded to int8 per block of 32 against the blocked
+// formats (int8_blocks below): any AVX2 host, AVX-512 ones included.
+#if defined(__AVX2__) && defined(__F16C__)
+#define LORAGW_INT8_ACTIVATIONS 1
 #endif
 typedef Lanes<kVec>::f32 fvec;
 typedef int8_t i8vec __attribute__((vector_size(kVec)));
@@ -116,12 +123,22 @@ struct Q41Rows {
     return widen(nibbles) * half_to_float(p[0]) + half_to_float(p[1]);
   }
   float finish(int64_t, float dot) const { return dot; }
-#ifdef LORAGW_BLOCKED_F32
-  // Block b of row n as float q in four registers; its d and m are the
-  // row's float16 pairs (`scales`), which the blocked float path applies
-  // per block (f32_blocks).
+#if defined(LORAGW_BLOCKED_F32) || defined(LORAGW_INT8_ACTIVATIONS)
+  // A row's float16 (d, m) pairs, which the blocked paths apply per block.
   static constexpr int kScales = 2;
   const c10::Half* scales(int64_t n) const { return dm + n * (k / kBlock) * 2; }
+#endif
+#ifdef LORAGW_INT8_ACTIVATIONS
+  // Block b of row n as its 32 q in element order, unsigned bytes.
+  static constexpr bool kSigned = false;
+  __m256i i8_block(int64_t n, int64_t b) const {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (k / 2) + b * (kBlock / 2)));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+#endif
+#ifdef LORAGW_BLOCKED_F32
+  // Block b of row n as float q in four registers (f32_blocks).
   void f32_block(int64_t n, int64_t b, __m256* w) const {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (k / 2) + b * (kBlock / 2)));
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -190,9 +207,17 @@ struct Q80Rows {
     return widen(q + n * k + h) * half_to_float(d[n * (k / kBlock) + h / kBlock]);
   }
   float finish(int64_t, float dot) const { return dot; }
-#ifdef LORAGW_BLOCKED_F32
+#if defined(LORAGW_BLOCKED_F32) || defined(LORAGW_INT8_ACTIVATIONS)
   static constexpr int kScales = 1;  // d alone
   const c10::Half* scales(int64_t n) const { return d + n * (k / kBlock); }
+#endif
+#ifdef LORAGW_INT8_ACTIVATIONS
+  static constexpr bool kSigned = true;
+  __m256i i8_block(int64_t n, int64_t b) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * k + b * kBlock));
+  }
+#endif
+#ifdef LORAGW_BLOCKED_F32
   void f32_block(int64_t n, int64_t b, __m256* w) const {
     const int8_t* p = q + n * k + b * kBlock;
     for (int i = 0; i < 4; ++i)
@@ -240,6 +265,57 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
   }
 }
 
+#if defined(LORAGW_BLOCKED_F32) || defined(LORAGW_INT8_ACTIVATIONS)
+// The float16 scales of the weight rows from n0 (`count` values) in float32,
+// 8 at a time: one broadcast a block in the dot loops instead of a conversion.
+template <typename Rows>
+void tile_scales(const Rows& rows, int64_t n0, int64_t count, float* scales) {
+  const c10::Half* h = rows.scales(n0);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(scales + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < count; ++i) scales[i] = half_to_float(h[i]);
+}
+
+// The KT weight rows from r0 + k0 (a tile past nk repeats the last row, whose
+// extra results the caller drops) and where their scales start in `scales`,
+// which holds the rows from r0, kS values a block.
+template <int KT>
+inline void tile_rows(int64_t r0, int64_t k0, int64_t nk, int64_t blocks, int kS, const float* scales, int64_t* r,
+                      const float** sc) {
+  for (int kk = 0; kk < KT; ++kk) {
+    r[kk] = r0 + std::min<int64_t>(k0 + kk, nk - 1);
+    sc[kk] = scales + (r[kk] - r0) * blocks * kS;
+  }
+}
+
+// Accumulators set one by one: `= {}` on the array made GCC keep it in
+// memory, 4-10% slower at 4 to 16 token rows.
+template <int JB, int KT>
+inline void zero_all(__m256 (&acc)[JB][KT]) {
+  for (int jj = 0; jj < JB; ++jj)
+    for (int kk = 0; kk < KT; ++kk) acc[jj][kk] = _mm256_setzero_ps();
+}
+
+// Calls dots(n0, nr, scales) for each 16-row tile of the n weight rows, over
+// the threads, with the tile's scales in float32 (tile_scales), then adds
+// the bias to the tile's outputs.
+template <typename Rows, typename Dots>
+void each_scaled_tile(const Rows& rows, int64_t n, int64_t k, int64_t m, const float* bias, float* out,
+                      int64_t out_stride, Dots dots) {
+  const int64_t blocks = k / kBlock, tiles = (n + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(kRowTile * blocks * Rows::kScales);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
+      tile_scales(rows, n0, nr * blocks * Rows::kScales, scales.data());
+      dots(n0, nr, scales.data());
+      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+    }
+  });
+}
+#endif
+
 #ifdef LORAGW_BLOCKED_F32
 // The blocked formats (Q4_1, Q8_0) with float32 activations on AVX2. The
 // loop above pays, for every 8 weights, two float16 conversions, a
@@ -262,14 +338,10 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
   for (int64_t k0 = 0; k0 < nk; k0 += KT) {
     int64_t r[KT];
     const float* sc[KT];
-    for (int kk = 0; kk < KT; ++kk) {
-      r[kk] = r0 + std::min<int64_t>(k0 + kk, nk - 1);
-      sc[kk] = scales + (r[kk] - r0) * blocks * kS;
-    }
+    tile_rows<KT>(r0, k0, nk, blocks, kS, scales, r, sc);
     __m256 acc[JB][KT];
+    zero_all(acc);
     float off[JB][KT] = {};
-    for (int jj = 0; jj < JB; ++jj)
-      for (int kk = 0; kk < KT; ++kk) acc[jj][kk] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       for (int kk = 0; kk < KT; ++kk) {
         __m256 w[4];
@@ -310,28 +382,139 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
         xsum[j * blocks + b] = s;
       }
   }
-  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
-    // A tile's float16 scales in float32, converted 8 at a time: one
-    // broadcast a block in the loop instead of a conversion.
-    std::vector<float> scales(kRowTile * blocks * Rows::kScales);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
-      const c10::Half* h = rows.scales(n0);
-      const int64_t count = nr * blocks * Rows::kScales;
-      int64_t i = 0;
-      for (; i + 8 <= count; i += 8)
-        _mm256_storeu_ps(scales.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-      for (; i < count; ++i) scales[i] = half_to_float(h[i]);
-      int64_t j = 0;
-      for (; j + 4 <= m; j += 4)
-        dot_rows_blocked<4, 1>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales.data(), n0, nr, k,
-                               out + j * out_stride + n0, out_stride);
-      for (; j < m; ++j)
-        dot_rows_blocked<1, 4>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales.data(), n0, nr, k,
-                               out + j * out_stride + n0, 0);
-      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+  each_scaled_tile(rows, n, k, m, bias, out, out_stride, [&](int64_t n0, int64_t nr, const float* scales) {
+    int64_t j = 0;
+    for (; j + 4 <= m; j += 4)
+      dot_rows_blocked<4, 1>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales, n0, nr, k,
+                             out + j * out_stride + n0, out_stride);
+    for (; j < m; ++j)
+      dot_rows_blocked<1, 4>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales, n0, nr, k,
+                             out + j * out_stride + n0, 0);
+  });
+}
+#endif
+
+#ifdef LORAGW_INT8_ACTIVATIONS
+// The blocked formats with float32 activations rounded to int8, as
+// llama.cpp multiplies them: each token row's block of 32 becomes
+// dx * qx with dx = max|x| / 127 and qx = round(x / dx) (to nearest even),
+// and a block's products are summed exactly in integers (vpmaddubsw of the
+// weights' bytes by qx, then vpmaddwd), so a block costs a few integer
+// instructions where the float path widens 32 weights to float and runs
+// 4 FMAs per token row. Then x . (d q + m) ~ d dx (q . qx) + m sum(x), with
+// sum(x) the block's float sum (not dx sum(qx): m adds to every weight, so
+// its term keeps float precision). The rounding of x is the only
+// approximation beyond float32's, and it moves a model's output much more
+// than bfloat16 activations do (docs/engine.md, "Int8 activations"), so it
+// is opt-in. Each token row is rounded on its
+// own and each sum runs in block order whatever the row count, so a
+// verifying sequence scores a token as its one-row decode does.
+struct Int8Activations {
+  std::vector<int8_t> q;   // [m, k]
+  std::vector<float> d;    // [m, k / 32]: dx
+  std::vector<float> sum;  // [m, k / 32]: the float sum of each block of x
+};
+
+inline float max_of_8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+inline float sum_of_8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+void quantize_activations(const float* x, int64_t x_stride, int64_t m, int64_t k, Int8Activations& a) {
+  const int64_t blocks = k / kBlock;
+  a.q.resize(m * k);
+  a.d.resize(m * blocks);
+  a.sum.resize(m * blocks);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  // vpackssdw and vpacksswb interleave the 128-bit halves: dword groups of 4
+  // bytes come out as elements 0, 8, 16, 24, 4, 12, 20, 28 (each + 0..3).
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* p = x + j * x_stride + b * kBlock;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+      __m256 top = _mm256_andnot_ps(sign, v[0]);
+      for (int i = 1; i < 4; ++i) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+      const float amax = max_of_8(top);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + j * k + b * kBlock),
+                          _mm256_permutevar8x32_epi32(bytes, order));
+      a.d[j * blocks + b] = amax / 127.f;
+      a.sum[j * blocks + b] = sum_of_8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     }
+}
+
+// y[jj * y_stride + r] for the JB token rows from j0 of `a` and the nk weight
+// rows from r0, KT weight rows at a time (a tile past nk repeats the last
+// row and drops its result). `scales` as dot_rows_blocked's.
+template <int JB, int KT, typename Rows>
+void dot_rows_int8(const Int8Activations& a, int64_t j0, const Rows& rows, const float* scales, int64_t r0,
+                   int64_t nk, int64_t k_dim, float* y, int64_t y_stride) {
+  const int64_t blocks = k_dim / kBlock;
+  constexpr int kS = Rows::kScales;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq = a.q.data() + j0 * k_dim;
+  const float* dx = a.d.data() + j0 * blocks;
+  const float* xsum = a.sum.data() + j0 * blocks;
+  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
+    int64_t r[KT];
+    const float* sc[KT];
+    tile_rows<KT>(r0, k0, nk, blocks, kS, scales, r, sc);
+    __m256 acc[JB][KT];
+    zero_all(acc);
+    float off[JB][KT] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i xb[JB];
+      __m256 dxb[JB];
+      for (int jj = 0; jj < JB; ++jj) {
+        xb[jj] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + jj * k_dim + b * kBlock));
+        dxb[jj] = _mm256_broadcast_ss(dx + jj * blocks + b);
+      }
+      for (int kk = 0; kk < KT; ++kk) {
+        const __m256i w = rows.i8_block(r[kk], b);
+        // vpmaddubsw multiplies unsigned bytes by signed ones: a signed
+        // weight lends its sign to x (|w| <= 128 and |qx| <= 127, so no
+        // pair of products saturates 16 bits).
+        const __m256i wu = Rows::kSigned ? _mm256_sign_epi8(w, w) : w;
+        const __m256 d = _mm256_broadcast_ss(sc[kk] + b * kS);
+        for (int jj = 0; jj < JB; ++jj) {
+          const __m256i xs = Rows::kSigned ? _mm256_sign_epi8(xb[jj], w) : xb[jj];
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), ones);
+          acc[jj][kk] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dxb[jj]), acc[jj][kk]);
+        }
+        if constexpr (kS == 2) {
+          const float m = sc[kk][b * 2 + 1];
+          for (int jj = 0; jj < JB; ++jj) off[jj][kk] = std::fma(m, xsum[jj * blocks + b], off[jj][kk]);
+        }
+      }
+    }
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) y[jj * y_stride + k0 + kk] = sum_of_8(acc[jj][kk]) + off[jj][kk];
+  }
+}
+
+template <typename Rows>
+void int8_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
+                 const float* bias, float* out, int64_t out_stride) {
+  Int8Activations a;
+  quantize_activations(x, x_stride, m, k, a);
+  each_scaled_tile(rows, n, k, m, bias, out, out_stride, [&](int64_t n0, int64_t nr, const float* scales) {
+    int64_t j = 0;
+    for (; j + 4 <= m; j += 4) dot_rows_int8<4, 1>(a, j, rows, scales, n0, nr, k, out + j * out_stride + n0, out_stride);
+    for (; j < m; ++j) dot_rows_int8<1, 4>(a, j, rows, scales, n0, nr, k, out + j * out_stride + n0, 0);
   });
 }
 #endif
@@ -752,12 +935,24 @@ bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& 
   return ok;
 }
 
+// `int8_activations`: float32 activations rounded to int8 (int8_blocks),
+// for the blocked formats where this build has that path; the caller asks
+// `int8_activations_built` first.
 template <typename Rows>
 void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::optional<torch::Tensor>& bias,
-              torch::Tensor& out) {
+              torch::Tensor& out, bool int8_activations = false) {
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
   TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
   if (x.scalar_type() == at::kFloat) {
+#ifdef LORAGW_INT8_ACTIVATIONS
+    if constexpr (!std::is_same_v<Rows, Int8Rows>) {
+      if (int8_activations) {
+        int8_blocks(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+        return;
+      }
+    }
+#endif
 #ifdef LORAGW_BLOCKED_F32
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {
       f32_blocks(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
@@ -791,6 +986,21 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
 
 }  // namespace
 
+// Whether this build rounds float32 activations to int8 for the blocked
+// formats (an AVX2 host).
+bool int8_activations_built() {
+#ifdef LORAGW_INT8_ACTIVATIONS
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Int8 activations are float32 ones rounded, on a build that has the path.
+bool int8_activations_ok(const torch::Tensor& x, bool int8_activations) {
+  return !int8_activations || (int8_activations_built() && x.scalar_type() == at::kFloat);
+}
+
 // x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K] int8, scale [N] float32, bias [N] or
 // none, out [M, N] in x's dtype. False (nothing done) for tensors this kernel
 // does not take, so the caller uses the torch twin.
@@ -808,29 +1018,29 @@ bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 // x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K / 2] uint8, dm
 // [N, K / 32, 2] float16, bias [N] or none, out [M, N] in x's dtype.
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
-  if (!activations_ok(x, bias, out) || q.scalar_type() != at::kByte ||
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations) {
+  if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
-  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out);
+  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out, int8_activations);
   return true;
 }
 
 // x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K] int8, d [N, K / 32]
 // float16, bias [N] or none, out [M, N] in x's dtype.
 bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
-  if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations) {
+  if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       d.scalar_type() != at::kHalf || !d.is_contiguous())
     return false;
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 2 && q.size(1) == k && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) * kBlock == k,
               "q8_0_linear: x ", x.sizes(), ", q ", q.sizes(), ", d ", d.sizes());
-  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out);
+  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out, int8_activations);
   return true;
 }
 
@@ -845,6 +1055,7 @@ bool uses_amx() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_amx", &uses_amx, "uses_amx");
+  m.def("int8_activations_built", &int8_activations_built, "int8_activations_built");
   m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
   m.def("q4_1_linear", torch::wrap_pybind_function(q4_1_linear), "q4_1_linear");
   m.def("q8_0_linear", torch::wrap_pybind_function(q8_0_linear), "q8_0_linear");

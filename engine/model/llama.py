@@ -152,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
     values: the model's values do not change."""
 
     def __init__(self, config, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-                 quantization: str = "none"):
+                 quantization: str = "none", activation_quantization: str = "none"):
         super().__init__()
+        self.activation_quantization = activation_quantization
         if quantization == "auto" and (torch.device(device).type != "cpu" or quant_linear.load_kernel() is None):
             quantization = "none"  # no Q4_1 kernel to read them with (a GPU, LORAGW_CPU_LINEAR_KERNEL=0)
         self.quantization = quantization
@@ -312,7 +313,31 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint is missing tensors: {shown}")
         if self.quantization != "none":
             self.quantize()
+        if self.activation_quantization == "int8":
+            self.use_int8_activations()
         self.pack_weights()
+
+    def use_int8_activations(self) -> None:
+        """Activation quantization int8: the Q4_1 and Q8_0 kernel calls
+        round their float32 activations to int8 (quant_linear.py). Refused
+        where no such call would run, rather than ignored."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ModelLoadError(
+                "activation quantization int8 needs float32 activations on the CPU (--dtype float32); this "
+                f"model runs in {str(self.dtype).removeprefix('torch.')} on {self.device.type}")
+        weights = [linear.qweight for linear in self.packed_linears().values()]
+        if not all(isinstance(w, quant_linear.Q41Weight) for w in weights):
+            raise ModelLoadError(
+                "activation quantization int8 needs Q4_1 linears: --quantization int4, or auto on a checkpoint "
+                "whose linears are exactly Q4_1 values (a Q4_1 GGUF such as the bundled model), with the C++ "
+                "kernels on (not LORAGW_CPU_LINEAR_KERNEL=0)")
+        if not quant_linear.int8_activations_available(self._quant_kernel, self.dtype):
+            raise ModelLoadError("activation quantization int8 needs the C++ quantized kernel's AVX2 path: a CPU "
+                                 "with AVX2 and F16C, and not LORAGW_CPU_LINEAR_KERNEL=0")
+        quant_linear.use_int8_activations([*weights, self.lm_head_q, self.lm_head_stored])
+        if self.as_stored:  # measured now, not in the first step
+            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.AS_STORED,
+                                   int8_activations=True)
 
     def pack_weights(self) -> None:
         """oneDNN's packed copies of the float weights, where they pay

@@ -231,12 +231,14 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     quantization: str = "none",
+    activation_quantization: str = "none",
 ) -> LoadedModel:
     model_dir = resolve_model_dir(model)
     hf_config = load_hf_config(model_dir)
     check_architecture(hf_config)
     files = safetensors_files(model_dir)
-    net = LlamaForCausalLM(hf_config, attn_backend, dtype, torch.device(device), quantization)
+    net = LlamaForCausalLM(hf_config, attn_backend, dtype, torch.device(device), quantization,
+                           activation_quantization)
     net.load_weights(iter_safetensors(files))
     net.eval()
     tokenizer = load_tokenizer(model_dir)

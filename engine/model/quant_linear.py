@@ -37,6 +37,12 @@ copy is kept, so memory holds the quantized weights only;
 `benchmarks/quant_linear.py` measures what the per-call dequantization
 costs a long chunk.
 
+With activation quantization int8 (opt-in, float32, any AVX2 host), the
+Q4_1 and Q8_0 kernel calls round each token row's block of 32 activations
+to int8 first and sum the integer products exactly, as llama.cpp does
+(`Q41Weight.int8_activations`; faster, and much less exact: docs/engine.md,
+"Int8 activations").
+
 Quantization "auto" (the default) is the other way round: it keeps the
 float weights and adds the Q4_1 form only where that holds every weight
 exactly (`quantize_exactly`: a checkpoint dequantized from a Q4_1 GGUF), so
@@ -48,7 +54,7 @@ path, not the twin.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -88,6 +94,9 @@ class Int8Weight:
 class Q41Weight:
     q: torch.Tensor  # [N, K / 2] uint8, two 4-bit values per byte
     dm: torch.Tensor  # [N, K / 32, 2] float16: (d, m) per block
+    # The kernel rounds float32 activations to int8 per block of 32 before
+    # multiplying (activation quantization int8, `use_int8_activations`).
+    int8_activations: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -105,13 +114,14 @@ class Q41Weight:
         return (values * dm[..., :1] + dm[..., 1:]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q4_1_linear(x, self.q, self.dm, bias, out)
+        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations)
 
 
 @dataclass
 class Q80Weight:
     q: torch.Tensor  # [N, K] int8
     d: torch.Tensor  # [N, K / 32] float16: one scale per block
+    int8_activations: bool = False  # as Q41Weight's
 
     @property
     def shape(self) -> torch.Size:
@@ -127,7 +137,7 @@ class Q80Weight:
         return (blocks * self.d.float()[..., None]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q8_0_linear(x, self.q, self.d, bias, out)
+        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations)
 
 
 QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
@@ -214,8 +224,14 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     cpu_linear with `float_kernel` and `float_packed` (`cpu_linear.pack` of
     it), or without it to the torch twin."""
     if limit is None:
-        beside_float = weight_format(weight) if float_weight is not None else None
-        limit = row_limit(x.dtype, torch.get_num_threads(), beside_float=beside_float)
+        # Keywords as the model's load passes them: functools.cache keys on
+        # them as given, and a limit measured at load is not measured again.
+        kwargs = {}
+        if float_weight is not None:
+            kwargs["beside_float"] = weight_format(weight)
+            if getattr(weight, "int8_activations", False):
+                kwargs["int8_activations"] = True
+        limit = row_limit(x.dtype, torch.get_num_threads(), **kwargs)
     if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= limit:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
@@ -230,11 +246,13 @@ def weight_format(weight: QuantizedWeight) -> str:
 
 
 @functools.cache
-def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = None) -> int:
+def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = None,
+              int8_activations: bool = False) -> int:
     """The most token rows the quantized kernel takes on this host, measured
     as cpu_linear.row_limit: int8 against the twin it replaces, or, with
     `beside_float` a format (quantization "auto"), that format's kernel
-    against the float path the larger calls take."""
+    (with `int8_activations`, rounding them) against the float path the
+    larger calls take."""
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return cpu_linear.env_row_limit() or 0
@@ -244,10 +262,12 @@ def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = No
         return cpu_linear.calibrated_limit("CPU quantized linear kernel", dtype, threads,
                                            lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                            lambda x, i: twin(x, quantized[i]))
-    quantized = [quantize(w, beside_float) for w in weights]
+    quantized = [replace(quantize(w, beside_float), int8_activations=True) if int8_activations
+                 else quantize(w, beside_float) for w in weights]
     float_weights, float_kernel = [w.to(dtype) for w in weights], cpu_linear.load_kernel()
     packed = [cpu_linear.pack(w) for w in float_weights]
-    return cpu_linear.calibrated_limit(f"CPU {beside_float} kernel beside float weights", dtype, threads,
+    label = f"CPU {beside_float} kernel{' on int8 activations' if int8_activations else ''} beside float weights"
+    return cpu_linear.calibrated_limit(label, dtype, threads,
                                        lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                        lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i],
                                                                       None, packed[i]))
@@ -277,7 +297,8 @@ def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, floa
     if env is not None:
         return env
     threads = torch.get_num_threads()
-    key = (weight_format(head), tuple(head.shape), float_head.dtype, threads, float_packed is not None)
+    key = (weight_format(head), tuple(head.shape), float_head.dtype, threads, float_packed is not None,
+           getattr(head, "int8_activations", False))
     if key not in _head_limits:
         _head_limits[key] = cpu_linear.calibrated_limit(
             f"CPU {key[0]} kernel on the LM head", float_head.dtype, threads,
@@ -285,6 +306,21 @@ def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, floa
             lambda x, i: cpu_linear.linear(float_kernel, x, float_head, None, float_packed),
             shape=key[1], copies=lambda rows: 1, rows=HEAD_CALIBRATION_ROWS)
     return _head_limits[key]
+
+
+def int8_activations_available(kernel, dtype: torch.dtype) -> bool:
+    """Whether the blocked kernels can round `dtype` activations to int8
+    here: float32, on a build with the AVX2 path."""
+    return kernel is not None and dtype == torch.float32 and kernel.int8_activations_built()
+
+
+def use_int8_activations(weights: list[QuantizedWeight | None]) -> None:
+    """Marks the blocked weights among `weights` (Q4_1, Q8_0) to have their
+    kernel calls round the activations to int8. Int8 per-channel weights
+    (an int4 model's head) keep float activations."""
+    for weight in weights:
+        if isinstance(weight, (Q41Weight, Q80Weight)):
+            weight.int8_activations = True
 
 
 def twin(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
