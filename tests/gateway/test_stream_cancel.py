@@ -22,7 +22,10 @@ from tests.gateway.live import wait_for
 
 SURVIVORS = 6
 CUT = 100
-SURVIVOR_TOKENS = 48  # the cuts come within 4 tokens: ample margin
+# The cuts come within 4 tokens of their first, but 100 streams' admission,
+# prefill and hang-ups take steps too: with 48 tokens a survivor once ended
+# 37 ms before the last cut, on a 2-core host running the whole suite.
+SURVIVOR_TOKENS = 160
 CUT_TOKENS = 400  # asked of every cut stream: none can finish before it is cut
 LIMITS = TierLimits(max_waiting=256, max_queued_tokens=10**8)
 
