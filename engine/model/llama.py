@@ -244,8 +244,6 @@ class LlamaForCausalLM(nn.Module):
             for linear, qweight in zip(linears, stored or [None] * len(linears)):
                 linear.keep(qweight)
         self.as_stored = bool(stored)
-        if self.as_stored:
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.AS_STORED)
         with torch.no_grad():
             self.lm_head_stored = quant_linear.quantize_exactly(self.lm_head.data, quant_linear.HEAD_AS_STORED)
             self.lm_head.data = self.lm_head.data.to(self.dtype)
@@ -315,6 +313,9 @@ class LlamaForCausalLM(nn.Module):
             self.quantize()
         if self.activation_quantization == "int8":
             self.use_int8_activations()
+        if self.as_stored:  # the limit the Q4_1 calls use, measured now and only it, not in the first step
+            first = next(iter(self.packed_linears().values()))
+            quant_linear.weight_row_limit(first.qweight, self.dtype, beside_float=True)
         self.pack_weights()
 
     def use_int8_activations(self) -> None:
@@ -335,9 +336,6 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError("activation quantization int8 needs the C++ quantized kernel's AVX2 path: a CPU "
                                  "with AVX2 and F16C, and not LORAGW_CPU_LINEAR_KERNEL=0")
         quant_linear.use_int8_activations([*weights, self.lm_head_q, self.lm_head_stored])
-        if self.as_stored:  # measured now, not in the first step
-            quant_linear.row_limit(self.dtype, torch.get_num_threads(), beside_float=quant_linear.AS_STORED,
-                                   int8_activations=True)
 
     def pack_weights(self) -> None:
         """oneDNN's packed copies of the float weights, where they pay

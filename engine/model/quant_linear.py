@@ -224,14 +224,7 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     cpu_linear with `float_kernel` and `float_packed` (`cpu_linear.pack` of
     it), or without it to the torch twin."""
     if limit is None:
-        # Keywords as the model's load passes them: functools.cache keys on
-        # them as given, and a limit measured at load is not measured again.
-        kwargs = {}
-        if float_weight is not None:
-            kwargs["beside_float"] = weight_format(weight)
-            if getattr(weight, "int8_activations", False):
-                kwargs["int8_activations"] = True
-        limit = row_limit(x.dtype, torch.get_num_threads(), **kwargs)
+        limit = weight_row_limit(weight, x.dtype, beside_float=float_weight is not None)
     if kernel is not None and x.dim() == 2 and 0 < x.shape[0] <= limit:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         if weight.run_kernel(kernel, x, bias, out):
@@ -239,6 +232,19 @@ def linear(kernel, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor 
     if float_weight is not None:
         return cpu_linear.linear(float_kernel, x, float_weight, bias, float_packed)
     return twin(x, weight, bias)
+
+
+def weight_row_limit(weight: QuantizedWeight, dtype: torch.dtype, *, beside_float: bool) -> int:
+    """`row_limit` for `weight`'s calls (`beside_float`: it has float weights
+    beside it, quantization "auto"). The one place that builds that call:
+    functools.cache keys on its keywords as given, so the model measures a
+    limit at load through here and `linear` finds it cached."""
+    threads = torch.get_num_threads()
+    if not beside_float:
+        return row_limit(dtype, threads)
+    if getattr(weight, "int8_activations", False):
+        return row_limit(dtype, threads, beside_float=weight_format(weight), int8_activations=True)
+    return row_limit(dtype, threads, beside_float=weight_format(weight))
 
 
 def weight_format(weight: QuantizedWeight) -> str:
