@@ -335,6 +335,11 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
                       int64_t r0, int64_t nk, int64_t k_dim, float* y, int64_t y_stride) {
   const int64_t blocks = k_dim / kBlock;
   constexpr int kS = Rows::kScales;
+  // One weight row against 4 or 8 token rows keeps the m terms in one
+  // vector, lane jj for token row jj: the same fma chain as a scalar's, in
+  // 1 operation a block instead of JB (8 scalars would not fit in registers
+  // beside 8 accumulators).
+  constexpr bool kLaneOffsets = kS == 2 && KT == 1 && (JB == 4 || JB == 8);
   for (int64_t k0 = 0; k0 < nk; k0 += KT) {
     int64_t r[KT];
     const float* sc[KT];
@@ -342,6 +347,8 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
     __m256 acc[JB][KT];
     zero_all(acc);
     float off[JB][KT] = {};
+    __m256 lanes8 = _mm256_setzero_ps();
+    __m128 lanes4 = _mm_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       for (int kk = 0; kk < KT; ++kk) {
         __m256 w[4];
@@ -353,11 +360,20 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
           for (int i = 1; i < 4; ++i) sum = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i), w[i], sum);
           acc[jj][kk] = _mm256_fmadd_ps(sum, d, acc[jj][kk]);
         }
-        if constexpr (kS == 2) {
+        if constexpr (kLaneOffsets && JB == 8) {
+          lanes8 = _mm256_fmadd_ps(_mm256_broadcast_ss(sc[kk] + b * 2 + 1), _mm256_loadu_ps(xsum + b * JB), lanes8);
+        } else if constexpr (kLaneOffsets) {
+          lanes4 = _mm_fmadd_ps(_mm_broadcast_ss(sc[kk] + b * 2 + 1), _mm_loadu_ps(xsum + b * JB), lanes4);
+        } else if constexpr (kS == 2) {
           const float m = sc[kk][b * 2 + 1];
-          for (int jj = 0; jj < JB; ++jj) off[jj][kk] = std::fma(m, xsum[jj * blocks + b], off[jj][kk]);
+          for (int jj = 0; jj < JB; ++jj) off[jj][kk] = std::fma(m, xsum[b * JB + jj], off[jj][kk]);
         }
       }
+    }
+    if constexpr (kLaneOffsets) {
+      float lane[JB];
+      if constexpr (JB == 8) _mm256_storeu_ps(lane, lanes8); else _mm_storeu_ps(lane, lanes4);
+      for (int jj = 0; jj < JB; ++jj) off[jj][0] = lane[jj];
     }
     for (int jj = 0; jj < JB; ++jj)
       for (int kk = 0; kk < KT && k0 + kk < nk; ++kk) {
@@ -368,28 +384,43 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
   }
 }
 
+// Token rows go 8 at a time, then 4, then one by one. `xsum` holds each
+// group's block sums block-major ([b][row in the group]) from its first
+// row's offset, j * blocks, for dot_rows_blocked's lanes.
 template <typename Rows>
 void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
                 const float* bias, float* out, int64_t out_stride) {
   const int64_t blocks = k / kBlock;
+  const auto group_of = [m](int64_t j) -> int64_t { return j + 8 <= m ? 8 : (j + 4 <= m ? 4 : 1); };
   std::vector<float> xsum;
   if constexpr (Rows::kScales == 2) {
     xsum.resize(m * blocks);
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float s = 0.f;
-        for (int64_t i = 0; i < kBlock; ++i) s += x[j * x_stride + b * kBlock + i];
-        xsum[j * blocks + b] = s;
-      }
+    for (int64_t j = 0; j < m;) {
+      const int64_t g = group_of(j);
+      for (int64_t jj = 0; jj < g; ++jj)
+        for (int64_t b = 0; b < blocks; ++b) {
+          float s = 0.f;
+          for (int64_t i = 0; i < kBlock; ++i) s += x[(j + jj) * x_stride + b * kBlock + i];
+          xsum[j * blocks + b * g + jj] = s;
+        }
+      j += g;
+    }
   }
   each_scaled_tile(rows, n, k, m, bias, out, out_stride, [&](int64_t n0, int64_t nr, const float* scales) {
-    int64_t j = 0;
-    for (; j + 4 <= m; j += 4)
-      dot_rows_blocked<4, 1>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales, n0, nr, k,
-                             out + j * out_stride + n0, out_stride);
-    for (; j < m; ++j)
-      dot_rows_blocked<1, 4>(x + j * x_stride, x_stride, xsum.data() + j * blocks, rows, scales, n0, nr, k,
-                             out + j * out_stride + n0, 0);
+    for (int64_t j = 0; j < m;) {
+      const int64_t g = group_of(j);
+      const float* xj = x + j * x_stride;
+      const float* sj = xsum.data() + j * blocks;
+      float* oj = out + j * out_stride + n0;
+      if (g == 8) {
+        dot_rows_blocked<8, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride);
+      } else if (g == 4) {
+        dot_rows_blocked<4, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride);
+      } else {
+        dot_rows_blocked<1, 4>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, 0);
+      }
+      j += g;
+    }
   });
 }
 #endif
