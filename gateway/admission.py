@@ -35,31 +35,62 @@ from gateway.errors import RateLimited
 from gateway.tenancy import Principal, Tier
 from gateway.tenant_limits import InMemoryTenantLimiter, LimiterHealth, TenantHold, TenantLimiter
 
-# How many recent first-token times estimate a tier's drain rate.
+# How many recent first tokens estimate a tier's drain rate.
 _RATE_WINDOW = 32
 _DEFAULT_RETRY_S = 1.0
 
 
 @dataclass
 class _TierState:
+    """A tier's queue: requests admitted and still without a first token.
+
+    Its drain rate counts only the time the queue held someone. A time
+    between first tokens while it stood empty measures how fast requests
+    came, not how fast the server starts them. Counted over the whole time
+    since the window's first start, the rate fell toward zero while the
+    server was idle, and the first burst after a pause was refused from its
+    second request, as if the queue would hold it for minutes."""
+
     limits: TierLimits
     waiting: int = 0
     queued_tokens: int = 0
-    starts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_RATE_WINDOW))
+    # Seconds the queue held requests before each recent first token.
+    busy_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_RATE_WINDOW))
+    busy_from: float | None = None  # since when, without a first token yet; None while empty
+    unstarted_s: float = 0.0  # held time that ended with the queue emptied by requests leaving unstarted
     rejected: collections.Counter = field(default_factory=collections.Counter)
 
+    def enter(self, now: float, prompt_tokens: int) -> None:
+        if self.waiting == 0:
+            self.busy_from = now
+        self.waiting += 1
+        self.queued_tokens += prompt_tokens
+
+    def leave(self, now: float, prompt_tokens: int, *, started: bool) -> None:
+        self.waiting -= 1
+        self.queued_tokens -= prompt_tokens
+        held = now - self.busy_from + self.unstarted_s
+        if started:
+            self.busy_s.append(held)
+            self.unstarted_s = 0.0
+        elif self.waiting == 0:
+            self.unstarted_s = held
+        if started or self.waiting == 0:
+            self.busy_from = now if self.waiting else None
+
     def start_rate(self, now: float) -> float | None:
-        """First tokens per second over the recent window; None until known."""
-        if len(self.starts) < 2 or now <= self.starts[0]:
+        """First tokens per second the queue held someone, over the recent
+        window, the wait since the last one included (a queue that stops
+        starting anyone slows it); None until two are known."""
+        held = sum(self.busy_s) + self.unstarted_s + (now - self.busy_from if self.busy_from is not None else 0.0)
+        if len(self.busy_s) < 2 or held <= 0:
             return None
-        return len(self.starts) / (now - self.starts[0])
+        return len(self.busy_s) / held
 
     def drain_estimate_s(self, now: float) -> float:
         """How long until a waiting slot frees, from the recent start rate."""
-        if len(self.starts) < 2 or now <= self.starts[0]:
-            return _DEFAULT_RETRY_S
-        rate = len(self.starts) / (now - self.starts[0])
-        return max(_DEFAULT_RETRY_S, 1.0 / rate)
+        rate = self.start_rate(now)
+        return _DEFAULT_RETRY_S if rate is None else max(_DEFAULT_RETRY_S, 1.0 / rate)
 
 
 class Ticket:
@@ -113,13 +144,11 @@ class AdmissionController:
             self._check_tier(tenant.tier, tier, prompt_tokens, now)
         # The queue place is taken before the tenant limiter is awaited, so
         # requests admitted meanwhile count it; given back if refused.
-        tier.waiting += 1
-        tier.queued_tokens += prompt_tokens
+        tier.enter(now, prompt_tokens)
         try:
             hold = await self.tenant_limiter.acquire(tenant, prompt_tokens + max_tokens)
         except BaseException as exc:
-            tier.waiting -= 1
-            tier.queued_tokens -= prompt_tokens
+            tier.leave(self._clock(), prompt_tokens, started=False)
             if isinstance(exc, RateLimited):
                 tier.rejected[exc.limit] += 1  # counted by the tenant's tier, for metrics
             raise
@@ -178,11 +207,7 @@ class AdmissionController:
         return int(self._capacity().usable_tokens(tier) * limits.kv_overcommit)
 
     def _leave_queue(self, ticket: Ticket, *, started: bool) -> None:
-        tier = self._tiers[ticket.tier]
-        tier.waiting -= 1
-        tier.queued_tokens -= ticket.prompt_tokens
-        if started:
-            tier.starts.append(self._clock())
+        self._tiers[ticket.tier].leave(self._clock(), ticket.prompt_tokens, started=started)
 
     def snapshot(self) -> dict[str, dict]:
         """Per-tier queue state and rejection counts, for metrics. Rejection

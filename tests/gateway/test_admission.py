@@ -145,17 +145,25 @@ async def test_with_tiers_off_tier_limits_are_skipped_but_tenant_limits_hold():
     assert info.value.code == "max_concurrent"
 
 
+async def queued_one_at_a_time(clock, ctl, std, *, count: int, wait_s: float, gap_s: float = 0.0) -> None:
+    """`count` requests, each waiting `wait_s` for its first token alone in
+    the queue, `gap_s` of empty queue after each."""
+    for _ in range(count):
+        ticket = await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+        clock.now += wait_s
+        ticket.started()
+        clock.now += gap_s
+
+
 async def test_retry_after_follows_the_tiers_recent_start_rate():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=1))
     std = principal("s", Tier.STANDARD)
-    for _ in range(4):  # one first token every 3 s
-        (await ctl.admit(std, prompt_tokens=1, max_tokens=1)).started()
-        clock.now += 3.0
+    await queued_one_at_a_time(clock, ctl, std, count=4, wait_s=3.0)  # one first token every 3 s
     await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     with pytest.raises(RateLimited) as info:
         await ctl.admit(std, prompt_tokens=1, max_tokens=1)
-    # 4 starts over 12 s since the first: a slot frees about every 3 s.
+    # 4 starts over the 12 s the queue held someone: a slot frees about every 3 s.
     assert info.value.headers["Retry-After"] == "3"
 
 
@@ -163,9 +171,7 @@ async def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
     std = principal("s", Tier.STANDARD)
-    for _ in range(5):  # the tier starts one request a second
-        (await ctl.admit(std, prompt_tokens=1, max_tokens=1)).started()
-        clock.now += 1.0
+    await queued_one_at_a_time(clock, ctl, std, count=5, wait_s=1.0)  # the tier starts one request a second
     held = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(5)]  # the 5th expects 5 s
     with pytest.raises(RateLimited) as info:
         await ctl.admit(std, prompt_tokens=1, max_tokens=1)
@@ -175,6 +181,46 @@ async def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     # Premium, with no bound of its own, is not affected.
     for _ in range(4):  # up to its own max_waiting
         await ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=1, max_tokens=1)
+
+
+async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst():
+    """A pause says nothing of how fast the server starts requests: after a
+    minute idle, a burst that the recent starts say will wait 4.8 s for its
+    last first token is admitted whole (counting the pause, the second
+    request already expected 3 minutes)."""
+    clock = Clock()
+    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=10.0))
+    std = principal("s", Tier.STANDARD)
+    await queued_one_at_a_time(clock, ctl, std, count=2, wait_s=0.3, gap_s=1.0)
+    clock.now += 60.0
+    burst = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(16)]
+    # The queue holding someone and no first token for 10 s slows the rate:
+    # 2 starts over 10.6 s held, so the 17th would wait ~90 s.
+    clock.now += 10.0
+    with pytest.raises(RateLimited) as info:
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    assert info.value.code == "tier_queue_wait"
+    for ticket in burst:  # all 16 start within the next second
+        clock.now += 1 / 16
+        ticket.started()
+    assert len(burst) == 16
+
+
+async def test_requests_that_leave_unstarted_keep_the_time_they_held_the_queue():
+    clock = Clock()
+    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
+    std = principal("s", Tier.STANDARD)
+    await queued_one_at_a_time(clock, ctl, std, count=2, wait_s=1.0)  # one a second
+    cancelled = await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    clock.now += 8.0
+    cancelled.release()  # waited 8 s for nothing, then the queue stood empty
+    clock.now += 100.0
+    await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    # 2 starts over 2 + 8 s held: 0.2 a second, so a second waiting expects
+    # 10 s (without the cancelled request's 8 s, 2 s).
+    with pytest.raises(RateLimited) as info:
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    assert info.value.code == "tier_queue_wait"
 
 
 async def test_precheck_refuses_only_what_admit_would_and_takes_nothing():
