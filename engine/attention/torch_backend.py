@@ -16,7 +16,10 @@ Per step, `prepare` groups the batch once:
   place; otherwise they run one SDPA each: over this step's own K/V with
   `is_causal` when the chunk is the whole context, else over the gathered
   blocks with a bottom-right-aligned causal mask (the query is the last
-  `query_len` of `seq_len` positions).
+  `query_len` of `seq_len` positions). Without the prefill kernel, a chunk
+  of up to SHORT_CHUNK_ROWS rows (a speculating sequence's verification)
+  goes to the decode kernel instead, each row as a decode row over the
+  positions it may see.
 """
 
 from __future__ import annotations
@@ -61,6 +64,28 @@ class _StepPlan:
     prefill_lens: torch.Tensor  # [n] int64: its query length
     prefill_seq_ids: torch.Tensor  # [n] int64: prefill_seqs as a tensor
     prefill: list[_PrefillChunk] | None  # the SDPA path's plan, built on first use
+    short: _RowsAsDecode | None = None  # with `prefill`: its short chunks, when the decode kernel takes them
+
+
+@dataclass
+class _RowsAsDecode:
+    """Short chunks' query rows as decode rows: row t of a chunk of q rows
+    over seq_len positions attends to the first seq_len - q + t + 1, through
+    its sequence's block table."""
+
+    rows: torch.Tensor  # [n] int64: token rows in the flat batch
+    seq_ids: torch.Tensor  # [n] int64: arange, into the two below
+    block_tables: torch.Tensor  # [n, max_blocks] int32: each row's sequence's table
+    seq_lens: torch.Tensor  # [n] int32: the positions each row attends to
+
+
+# Without the prefill kernel (float32), a chunk of up to this many query rows
+# goes through the decode kernel row by row: a speculating sequence's
+# verification (1 + K rows) over a long context. One SDPA over its gathered
+# blocks copied the whole context's K and V in every layer and built a mask:
+# a quarter of single-stream decode's time on a 2-core AVX2 Zen 3 when
+# drafts were often verified.
+SHORT_CHUNK_ROWS = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -154,15 +179,29 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         return self._load_kernel(kind)
 
-    def _prefill_chunks(self, meta: AttentionMetadata) -> list[_PrefillChunk]:
+    def _prefill_chunks(self, meta: AttentionMetadata, short_as_decode: bool = False) -> list[_PrefillChunk]:
+        """The chunks for SDPA; with `short_as_decode`, those of up to
+        SHORT_CHUNK_ROWS rows go to `plan.short` instead."""
         plan = self._plan
         if plan.prefill is None:
             block_tables = meta.block_tables.to(torch.int64)
             starts = plan.prefill_starts.tolist()
-            plan.prefill = [
-                _plan_prefill(block_tables[i], start, meta.query_lens_host[i], meta.seq_lens_host[i], meta.block_size)
-                for i, start in zip(plan.prefill_seqs, starts, strict=True)
-            ]
+            plan.prefill, rows, seqs, lens = [], [], [], []
+            for i, start in zip(plan.prefill_seqs, starts, strict=True):
+                q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
+                if short_as_decode and q_len <= SHORT_CHUNK_ROWS:
+                    rows.extend(range(start, start + q_len))
+                    seqs.extend([i] * q_len)
+                    lens.extend(range(seq_len - q_len + 1, seq_len + 1))
+                else:
+                    plan.prefill.append(_plan_prefill(block_tables[i], start, q_len, seq_len, meta.block_size))
+            if rows:
+                device = meta.block_tables.device
+                plan.short = _RowsAsDecode(
+                    rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                    seq_ids=torch.arange(len(rows), dtype=torch.int64, device=device),
+                    block_tables=meta.block_tables.index_select(0, torch.tensor(seqs, device=device)).contiguous(),
+                    seq_lens=torch.tensor(lens, dtype=torch.int32, device=device))
         return plan.prefill
 
     def _decode_buckets(self, meta: AttentionMetadata) -> list[_DecodeBucket]:
@@ -237,7 +276,13 @@ class TorchAttentionBackend(AttentionBackend):
                     kernel, out, query, k_cache, v_cache, plan.prefill_starts, plan.prefill_lens,
                     plan.prefill_seq_ids, meta.block_tables, meta.seq_lens, scale, self._prefill_parallel_tiles)
             else:
-                self._prefill(out, query, key, value, k_cache, v_cache, self._prefill_chunks(meta), scale)
+                chunks = self._prefill_chunks(meta, self._kernel_for("decode", query, k_cache) is not None)
+                short = self._plan.short
+                if short is not None:
+                    cpu_decode.paged_decode_attention(
+                        self._kernel_for("decode", query, k_cache), out, query, k_cache, v_cache, short.rows,
+                        short.seq_ids, short.block_tables, short.seq_lens, scale, self._decode_parallel_positions)
+                self._prefill(out, query, key, value, k_cache, v_cache, chunks, scale)
         return out
 
     def _decode_with_buckets(self, out, query, k_cache, v_cache, meta, scale) -> None:
