@@ -73,6 +73,7 @@ class _RowsAsDecode:
     over seq_len positions attends to the first seq_len - q + t + 1, through
     its sequence's block table."""
 
+    kernel: object  # the decode kernel that takes them
     rows: torch.Tensor  # [n] int64: token rows in the flat batch
     seq_ids: torch.Tensor  # [n] int64: arange, into the two below
     block_tables: torch.Tensor  # [n, max_blocks] int32: each row's sequence's table
@@ -82,9 +83,9 @@ class _RowsAsDecode:
 # Without the prefill kernel (float32), a chunk of up to this many query rows
 # goes through the decode kernel row by row: a speculating sequence's
 # verification (1 + K rows) over a long context. One SDPA over its gathered
-# blocks copied the whole context's K and V in every layer and built a mask:
-# a quarter of single-stream decode's time on a 2-core AVX2 Zen 3 when
-# drafts were often verified.
+# blocks copied the whole context's K and V in every layer and ran a masked
+# SDPA for a few queries: a quarter of single-stream decode's time on a
+# 2-core AVX2 Zen 3 when drafts were often verified.
 SHORT_CHUNK_ROWS = 16
 
 
@@ -179,9 +180,10 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         return self._load_kernel(kind)
 
-    def _prefill_chunks(self, meta: AttentionMetadata, short_as_decode: bool = False) -> list[_PrefillChunk]:
-        """The chunks for SDPA; with `short_as_decode`, those of up to
-        SHORT_CHUNK_ROWS rows go to `plan.short` instead."""
+    def _prefill_chunks(self, meta: AttentionMetadata, decode_kernel=None) -> list[_PrefillChunk]:
+        """The chunks for SDPA; given a `decode_kernel`, those of up to
+        SHORT_CHUNK_ROWS rows go to `plan.short` for it instead (decided
+        once a step, by the first layer)."""
         plan = self._plan
         if plan.prefill is None:
             block_tables = meta.block_tables.to(torch.int64)
@@ -189,7 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
             plan.prefill, rows, seqs, lens = [], [], [], []
             for i, start in zip(plan.prefill_seqs, starts, strict=True):
                 q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
-                if short_as_decode and q_len <= SHORT_CHUNK_ROWS:
+                if decode_kernel is not None and q_len <= SHORT_CHUNK_ROWS:
                     rows.extend(range(start, start + q_len))
                     seqs.extend([i] * q_len)
                     lens.extend(range(seq_len - q_len + 1, seq_len + 1))
@@ -198,6 +200,7 @@ class TorchAttentionBackend(AttentionBackend):
             if rows:
                 device = meta.block_tables.device
                 plan.short = _RowsAsDecode(
+                    kernel=decode_kernel,
                     rows=torch.tensor(rows, dtype=torch.int64, device=device),
                     seq_ids=torch.arange(len(rows), dtype=torch.int64, device=device),
                     block_tables=meta.block_tables.index_select(0, torch.tensor(seqs, device=device)).contiguous(),
@@ -276,12 +279,12 @@ class TorchAttentionBackend(AttentionBackend):
                     kernel, out, query, k_cache, v_cache, plan.prefill_starts, plan.prefill_lens,
                     plan.prefill_seq_ids, meta.block_tables, meta.seq_lens, scale, self._prefill_parallel_tiles)
             else:
-                chunks = self._prefill_chunks(meta, self._kernel_for("decode", query, k_cache) is not None)
+                chunks = self._prefill_chunks(meta, self._kernel_for("decode", query, k_cache))
                 short = self._plan.short
                 if short is not None:
                     cpu_decode.paged_decode_attention(
-                        self._kernel_for("decode", query, k_cache), out, query, k_cache, v_cache, short.rows,
-                        short.seq_ids, short.block_tables, short.seq_lens, scale, self._decode_parallel_positions)
+                        short.kernel, out, query, k_cache, v_cache, short.rows, short.seq_ids,
+                        short.block_tables, short.seq_lens, scale, self._decode_parallel_positions)
                 self._prefill(out, query, key, value, k_cache, v_cache, chunks, scale)
         return out
 

@@ -78,7 +78,7 @@ PACK_ROWS_HINT = 128
 # bytes at 16 rows, and a loaded host timed them 247 against 247 us there
 # (an idle one 133 against 193); on an AVX2 Zen 3 the two GEMMs ran 128 rows
 # level in one process (1829 against 1821 us) and 16% apart in the next,
-# while the packed one was 22-45% faster at 16 rows in each. A tie at one
+# while the packed one took 22-45% less time at 16 rows in each. A tie at one
 # size is no reason to lose the other's gain.
 PACK_CALIBRATION_ROWS = (16, 128)
 # The dtypes whose packing is measured; float16 on a CPU keeps F.linear.

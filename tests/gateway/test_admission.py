@@ -187,7 +187,7 @@ async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst(
     """A pause says nothing of how fast the server starts requests: after a
     minute idle, a burst that the recent starts say will wait 4.8 s for its
     last first token is admitted whole (counting the pause, the second
-    request already expected 3 minutes)."""
+    request already expected a minute)."""
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=10.0))
     std = principal("s", Tier.STANDARD)
@@ -200,9 +200,6 @@ async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst(
     with pytest.raises(RateLimited) as info:
         await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "tier_queue_wait"
-    for ticket in burst:  # all 16 start within the next second
-        clock.now += 1 / 16
-        ticket.started()
     assert len(burst) == 16
 
 
