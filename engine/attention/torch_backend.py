@@ -82,10 +82,10 @@ class _RowsAsDecode:
 
 # Without the prefill kernel (float32), a chunk of up to this many query rows
 # goes through the decode kernel row by row: a speculating sequence's
-# verification (1 + K rows) over a long context. One SDPA over its gathered
-# blocks copied the whole context's K and V in every layer and ran a masked
-# SDPA for a few queries: a quarter of single-stream decode's time on a
-# 2-core AVX2 Zen 3 when drafts were often verified.
+# verification (1 + K rows) over a long context. SDPA, for those few
+# queries, first gathered the whole context's K and V out of the blocks in
+# every layer: a quarter of single-stream decode's time on a 2-core AVX2
+# Zen 3 when drafts were often verified.
 SHORT_CHUNK_ROWS = 16
 
 
