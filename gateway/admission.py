@@ -75,8 +75,10 @@ class _TierState:
             self.unstarted_s = 0.0
         elif self.waiting == 0:
             self.unstarted_s = held
-        if started or self.waiting == 0:
-            self.busy_from = now if self.waiting else None
+        if self.waiting == 0:
+            self.busy_from = None
+        elif started:
+            self.busy_from = now
 
     def start_rate(self, now: float) -> float | None:
         """First tokens per second the queue held someone, over the recent

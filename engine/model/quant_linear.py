@@ -242,9 +242,8 @@ def weight_row_limit(weight: QuantizedWeight, dtype: torch.dtype, *, beside_floa
     threads = torch.get_num_threads()
     if not beside_float:
         return row_limit(dtype, threads)
-    if getattr(weight, "int8_activations", False):
-        return row_limit(dtype, threads, beside_float=weight_format(weight), int8_activations=True)
-    return row_limit(dtype, threads, beside_float=weight_format(weight))
+    return row_limit(dtype, threads, beside_float=weight_format(weight),
+                     int8_activations=getattr(weight, "int8_activations", False))
 
 
 def weight_format(weight: QuantizedWeight) -> str:
