@@ -8,8 +8,9 @@ for its last step by the time its reader sees it. The snapshot of the step
 replaces the previous one; the router, admission and /metrics read it.
 
 The worker is lost when it stops heartbeating for `heartbeat_timeout_s`,
-sends Fatal, or its supervisor saw the process exit (`mark_lost`). Every
-request in flight on it then ends with `WorkerLost`, and the connection
+sends Fatal, or its supervisor saw the process exit (`mark_lost`; what the
+worker sent before it exited is still read, so its Fatal names the cause).
+Every request in flight on it then ends with `WorkerLost`, and the connection
 dials again: a restarted local worker, or a remote one that came back,
 opens a fresh session.
 """
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 # it refused the session (a wrong secret or version will not fix itself soon).
 _REDIAL_S = 0.5
 _REFUSED_REDIAL_S = 5.0
+# After its process exited, how long frames the worker sent before it died
+# are still read: the supervisor may see the exit before this side's socket
+# has delivered them, and the Fatal among them says why its requests failed.
+EXIT_DRAIN_S = 0.25
 
 
 class WorkerLost(EngineDeadError):
@@ -77,6 +82,7 @@ class WorkerConnection:
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._lost = asyncio.Event()
+        self._exited = False  # `_lost` was set by mark_lost, not by what the worker sent
 
     @property
     def ready(self) -> bool:
@@ -122,6 +128,7 @@ class WorkerConnection:
         """The supervisor saw the worker's process exit: do not wait for
         the heartbeat to time out."""
         self.problem = reason
+        self._exited = True
         self._lost.set()
 
     # ---- the session loop -------------------------------------------------------------
@@ -129,6 +136,7 @@ class WorkerConnection:
     async def _run(self) -> None:
         while True:
             self._lost.clear()
+            self._exited = False
             try:
                 self._open()
                 redial = await self._serve_session()
@@ -171,8 +179,16 @@ class WorkerConnection:
             elif self.clock() - last_heard > self.heartbeat_timeout_s:
                 self.problem = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
                 break
+        if self._exited:
+            await self._read_what_was_sent()
         self._set_down()
         return _REDIAL_S
+
+    async def _read_what_was_sent(self) -> None:
+        deadline = time.monotonic() + EXIT_DRAIN_S  # real time, whatever clock the heartbeats use
+        while (left := deadline - time.monotonic()) > 0 and await self._socket.poll(timeout=max(1, int(left * 1000))):
+            if not self._handle(await self._socket.recv()):
+                return
 
     def _handle(self, frame: bytes) -> bool:
         """Apply one message; False if the worker refused the session."""
@@ -194,6 +210,8 @@ class WorkerConnection:
         return True
 
     def _on_status(self, status: Status) -> None:
+        if self._lost.is_set():
+            return  # a heartbeat sent before the worker was lost must not undo it
         if self.state in (WorkerState.CONNECTING, WorkerState.DOWN):
             self.sessions += 1
             log.info("worker %s at %s: session open", self.worker_id, self.endpoint)
