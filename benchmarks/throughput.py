@@ -28,7 +28,7 @@ also gives the ratios per CPU-second and records how many cores other
 processes used during each phase.
 
     python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-requests 256]
-        [--seed 0] [--skip-hf] [--max-num-seqs N] [--max-num-batched-tokens N]
+        [--seed 0] [--skip-hf] [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-dtype T]
         [--threads N] [--prompt-range MIN MAX] [--mean-output N] [--out PATH]
 
 Users send shorter requests too; the target of 4x HF holds for
@@ -332,6 +332,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="skip the HF static-batching baseline")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine default if unset")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default if unset")
+    parser.add_argument("--kv-cache-dtype", default=None, help="engine default (auto) if unset")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
                         help="prompt tokens, uniform (default 32 512)")
@@ -348,11 +349,13 @@ def main() -> None:
     from engine.model.loader import resolve_model_dir
 
     knobs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                               ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
+                               ("max_num_batched_tokens", args.max_num_batched_tokens),
+                               ("kv_cache_dtype", args.kv_cache_dtype)) if v}
     result: dict = {"args": vars(args), "machine": machine_facts(), "load_before": load_average()}
     llm = LLM(dtype=args.dtype, **knobs)
     flat = llm.config.to_flat()
-    result["engine_config"] = {k: flat[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size")}
+    result["engine_config"] = {k: flat[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                    "kv_cache_dtype")}
     workload = make_workload(args.num_requests, args.seed, llm.tokenizer, min_prompt=args.prompt_range[0],
                              max_prompt=args.prompt_range[1], mean_output=args.mean_output)
     result["workload"] = workload.summary()

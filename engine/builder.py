@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 
 import torch
 
@@ -44,6 +45,26 @@ def resolve_dtype(name: str, device: torch.device, *, native_bfloat16: bool | No
     if native_bfloat16 is None:
         native_bfloat16 = has_native_bfloat16()
     return torch.bfloat16 if native_bfloat16 else torch.float32
+
+
+# "0" makes `auto` keep the model's dtype: the test suite sets it, so that
+# its exactness tests against HF read a float32 cache, as LORAGW_CPU_BFLOAT16
+# keeps them computing in float32 (engine/host_cpu.py).
+AUTO_FLOAT16_CACHE_ENV = "LORAGW_AUTO_FLOAT16_KV_CACHE"
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache's element type for a model computing in `dtype` on `device`
+    (CacheConfig.kv_cache_dtype): `auto` is float16 for a float32 model on
+    the CPU, which the decode kernel widens as it reads, else the model's."""
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    auto_float16 = cpu_float32 and os.environ.get(AUTO_FLOAT16_CACHE_ENV, "1") != "0"
+    if name == "model" or (name == "auto" and not auto_float16):
+        return dtype
+    if not cpu_float32:
+        raise ValidationError("kv_cache_dtype", f"float16 is for a float32 model on the CPU, not {dtype} on "
+                                                f"{device.type}")
+    return torch.float16
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
@@ -101,14 +122,16 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
                         quantization=config.quantization, activation_quantization=config.activation_quantization)
 
     cache = config.cache
-    bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, dtype)
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, device)
+    bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, kv_dtype)
     max_model_len = min(config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len)
     sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
     num_blocks = num_kv_blocks(config, bytes_per_block, device, max_model_len)
-    kv_caches = allocate_kv_caches(loaded.hf_config, num_blocks, cache.block_size, dtype, device)
+    kv_caches = allocate_kv_caches(loaded.hf_config, num_blocks, cache.block_size, kv_dtype, device)
     reserved = config.premium_reserved_blocks(num_blocks)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d reserved for premium",
-             num_blocks, cache.block_size, num_blocks * bytes_per_block / 2**20, reserved)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), %d reserved for premium",
+             num_blocks, cache.block_size, num_blocks * bytes_per_block / 2**20, str(kv_dtype).removeprefix("torch."),
+             reserved)
 
     kv = KVCacheManager(num_blocks, cache.block_size, premium_reserved_blocks=reserved,
                         enable_prefix_caching=cache.enable_prefix_caching)

@@ -80,6 +80,9 @@ class SchedulerConfig:
             raise ValidationError("standard_prefill_cap_steps", "must be >= 0 (0: always)")
 
 
+KV_CACHE_DTYPES = ("auto", "model", "float16")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = setting(16, help="tokens per KV block (a power of two)")
@@ -90,8 +93,20 @@ class CacheConfig:
     num_kv_blocks: int | None = setting(None, help="KV blocks, overriding the memory budget")
     enable_prefix_caching: bool = setting(True, help="turn prefix caching off")
     premium_reserved_fraction: float = setting(0.0, help="share of the KV cache only premium requests may use")
+    # Decode attention reads every cached byte of every running sequence each
+    # step, so a float32 model's cache in float16 (llama.cpp's default cache
+    # type) halves what it reads and doubles the blocks a budget holds. What
+    # it costs in agreement with a float32 cache is measured in
+    # docs/engine.md, "A 16-bit cache for float32 models". vLLM's "auto" is
+    # our "model".
+    kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES,
+                                  help="KV cache element type: auto (float16 for a float32 model on the CPU, else "
+                                       "the model's), model (the model's dtype) or float16 (a float32 model on the "
+                                       "CPU only)")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValidationError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValidationError("block_size", "must be a power of two")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

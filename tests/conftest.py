@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 # tests compare with HF in float32, so the suite (and every worker process it
 # starts) keeps auto at float32 on every host (engine/host_cpu.py).
 os.environ["LORAGW_CPU_BFLOAT16"] = "0"
+os.environ["LORAGW_AUTO_FLOAT16_KV_CACHE"] = "0"  # and a float32 cache: engine/builder.py
 # The suite shares its cores with the workers it starts: their OpenMP
 # threads sleep when idle, rather than spin as serving's default
 # (engine/host_cpu.py) has them, which would stall both.

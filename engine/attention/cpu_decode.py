@@ -10,7 +10,9 @@ an online softmax (a running max and sum per head, as in flash-decoding),
 and the weighted V rows, so no score matrix is written. A sequence past 512
 positions is split into spans that run on both cores and are merged.
 
-Numerics: float32 accumulation throughout. bfloat16 K/V are multiplied in
+Numerics: float32 accumulation throughout. A float32 model's float16 cache
+(`kv_cache_dtype`, engine/config.py) is widened to float32 as it is read
+(F16C), so its products are float32's. bfloat16 K/V are multiplied in
 bfloat16 pairs where the CPU has AVX512-BF16 (exact products, float32 sums),
 and the softmax weights are rounded to bfloat16 before their product with V,
 as torch's own bfloat16 attention does; float32 runs in float32. Results
@@ -51,12 +53,17 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
         and query.dtype in _DTYPES
-        and k_cache.dtype == query.dtype
+        and cache_pairs_with(query.dtype, k_cache.dtype)
         and head_dim % 16 == 0
         and head_dim <= 256
         and num_heads % k_cache.shape[2] == 0
         and num_heads // k_cache.shape[2] <= 16
     )
+
+
+def cache_pairs_with(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel reads a cache of `cache_dtype` under queries of `query_dtype`."""
+    return cache_dtype == query_dtype or (query_dtype, cache_dtype) == (torch.float32, torch.float16)
 
 
 def paged_decode_attention(
@@ -75,7 +82,7 @@ def paged_decode_attention(
     """Attention of each decode row over its whole context, into `out`.
     Sequences of fewer than `parallel_positions` positions in all are done
     on the calling thread."""
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype and query.dtype in _DTYPES
+    assert query.dtype == out.dtype and k_cache.dtype == v_cache.dtype
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert rows.dtype == seq_ids.dtype == torch.int64 and rows.shape == seq_ids.shape

@@ -20,6 +20,11 @@ Per step, `prepare` groups the batch once:
   of up to SHORT_CHUNK_ROWS rows (a speculating sequence's verification)
   goes to the decode kernel instead, each row as a decode row over the
   positions it may see.
+
+A float32 model's cache may hold float16 (`kv_cache_dtype`,
+engine/config.py): the decode kernel widens it as it reads, the SDPA paths
+widen what they gather, and a chunk that attends over its own K/V rounds
+them as the cache does, so every query sees the K/V the cache holds.
 """
 
 from __future__ import annotations
@@ -165,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _kernel_for(self, kind: str, query: torch.Tensor, k_cache: torch.Tensor):
         """The C++ `kind` kernel if these tensors should use it, else None."""
-        key = (kind, query.dtype, query.device, *query.shape[1:], *k_cache.shape[1:])
+        key = (kind, query.dtype, k_cache.dtype, query.device, *query.shape[1:], *k_cache.shape[1:])
         if key not in self._kernels:
             self._kernels[key] = self._choose_kernel(kind, query, k_cache)
         return self._kernels[key]
@@ -260,8 +265,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * bs, num_kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * bs, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, key)
-        v_flat.index_copy_(0, meta.slot_mapping, value)
+        k_flat.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
         out = torch.empty_like(query)
         if plan.decode_seqs:
@@ -296,7 +301,7 @@ class TorchAttentionBackend(AttentionBackend):
             n = b.rows.shape[0]
             k = k_cache.index_select(0, b.blocks).view(n, b.num_blocks * bs, num_kv_heads, head_dim)
             v = v_cache.index_select(0, b.blocks).view(n, b.num_blocks * bs, num_kv_heads, head_dim)
-            k, v = k[:, : b.kv_len].transpose(1, 2), v[:, : b.kv_len].transpose(1, 2)
+            k, v = k[:, : b.kv_len].transpose(1, 2).to(query.dtype), v[:, : b.kv_len].transpose(1, 2).to(query.dtype)
             q = query.index_select(0, b.rows).view(n, num_heads, 1, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scale, enable_gqa=True)
             out.index_copy_(0, b.rows, o.view(n, num_heads, head_dim))
@@ -308,15 +313,23 @@ class TorchAttentionBackend(AttentionBackend):
             end = c.start + c.query_len
             q = query[c.start : end].transpose(0, 1).unsqueeze(0)
             if c.blocks is None:
-                k = key[c.start : end].transpose(0, 1).unsqueeze(0)
-                v = value[c.start : end].transpose(0, 1).unsqueeze(0)
+                # As the cache holds them, so that a prompt attends over the
+                # same K/V whether its prefix was cached or not.
+                k = _as_cached(key[c.start : end], k_cache.dtype).transpose(0, 1).unsqueeze(0)
+                v = _as_cached(value[c.start : end], v_cache.dtype).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 kv_len = c.blocks.shape[0] * bs
                 k = k_cache.index_select(0, c.blocks).view(1, kv_len, num_kv_heads, head_dim).transpose(1, 2)
                 v = v_cache.index_select(0, c.blocks).view(1, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+                k, v = k.to(q.dtype), v.to(q.dtype)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scale, enable_gqa=True)
             out[c.start : end] = o[0].transpose(0, 1)
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded as a cache of `cache_dtype` stores it, in x's dtype."""
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
 
 
 def _plan_prefill(block_row: torch.Tensor, start: int, q_len: int, seq_len: int, bs: int) -> _PrefillChunk:

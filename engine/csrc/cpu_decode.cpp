@@ -14,6 +14,10 @@
 // 16-position blocks one block or half of one), whole K/V rows (every KV head) at once, so memory is
 // read in contiguous runs: per KV head, the scores of its query heads on the
 // tile, then the tile's V rows into each one's accumulator.
+//
+// The cache's element type is the query's, or float16 under float32 queries:
+// a float32 model's 16-bit cache, which halves the bytes this kernel reads;
+// its rows are widened to float32 as they are loaded.
 #include <immintrin.h>
 
 #include <atomic>
@@ -105,10 +109,12 @@ struct Scratch {
   }
 };
 
-template <typename T>
+// KV is the cache's element type: T's own, or float16 under float32 queries
+// (a float32 model's 16-bit cache, widened as it is read).
+template <typename KV>
 constexpr bool kPairs() {
 #if defined(__AVX512BF16__)
-  return std::is_same_v<T, c10::BFloat16>;
+  return std::is_same_v<KV, c10::BFloat16>;
 #else
   return false;
 #endif
@@ -116,17 +122,17 @@ constexpr bool kPairs() {
 
 // q_h . k_t for the count rows of a tile (each pointing at head h's KV head),
 // lane t (lanes past count: 0).
-template <typename T, int CT>
-inline fv tile_scores(const Scratch& sc, int64_t h, const T* const* rows, int64_t kv_offset, int64_t count,
+template <typename KV, int CT>
+inline fv tile_scores(const Scratch& sc, int64_t h, const KV* const* rows, int64_t kv_offset, int64_t count,
                           int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
   fv part[kL];
 #if defined(__AVX512BF16__)
-  if constexpr (kPairs<T>()) {
+  if constexpr (kPairs<KV>()) {
     if (C % 2 == 0) {
       const __m512bh* qb = &sc.qb[h * C / 2];
       for (int64_t t = 0; t < count; ++t) {
-        const T* kp = rows[t] + kv_offset;
+        const KV* kp = rows[t] + kv_offset;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < C / 2; ++c)
           acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kp + c * 2 * kL));
@@ -139,7 +145,7 @@ inline fv tile_scores(const Scratch& sc, int64_t h, const T* const* rows, int64_
 #endif
   const fv* q = &sc.q[h * C];
   for (int64_t t = 0; t < count; ++t) {
-    const T* kp = rows[t] + kv_offset;
+    const KV* kp = rows[t] + kv_offset;
     fv acc = q[0] * load_lanes<kL>(kp);
     for (int64_t c = 1; c < C; ++c) acc += q[c] * load_lanes<kL>(kp + c * kL);
     part[t] = acc;
@@ -198,19 +204,19 @@ inline void pair_values(Scratch& st, int64_t first, int64_t group, const float (
 
 // acc_h += sum_t p_h[t] * v_t for the `group` query heads from `first`
 // (the heads of one KV head), over the count rows of a tile.
-template <typename T, int CT>
+template <typename KV, int CT>
 inline void tile_values(Scratch& st, int64_t first, int64_t group, const float (*probs)[kL],
-                        const T* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
+                        const KV* const* rows, int64_t kv_offset, int64_t count, int64_t chunks) {
   const int64_t C = CT ? CT : chunks;
 #if defined(__AVX512BF16__)
-  if constexpr (kPairs<T>()) {
+  if constexpr (kPairs<KV>()) {
     if (C % 2 == 0) return pair_values<CT>(st, first, group, probs, rows, kv_offset, count, C);
   }
 #endif
-  alignas(64) float widened[kL][kMaxChunks * kL];  // a bfloat16 tile's rows, widened once
+  alignas(64) float widened[kL][kMaxChunks * kL];  // a 16-bit tile's rows, widened once
   const float* vf[kL];
   for (int64_t t = 0; t < count; ++t) {
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (!std::is_same_v<KV, float>) {
       for (int64_t c = 0; c < C; ++c) store_lanes<kL>(widened[t] + c * kL, load_lanes<kL>(rows[t] + kv_offset + c * kL));
       vf[t] = widened[t];
     } else {
@@ -250,9 +256,9 @@ inline fv softmax_step(Scratch& st, int64_t h, fv scores, iv valid, int64_t chun
   return p;
 }
 
-template <typename T, int CT>
+template <typename T, typename KV, int CT>
 void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride0, int64_t q_stride1,
-              const T* k_cache, const T* v_cache, int64_t num_heads, float scale, Scratch& st) {
+              const KV* k_cache, const KV* v_cache, int64_t num_heads, float scale, Scratch& st) {
   const int64_t chunks = seqs.head_dim / kL, C = CT ? CT : chunks;
   const int64_t group = num_heads / seqs.num_kv_heads;
   const int64_t s = seqs.seq_ids[it.i];
@@ -260,7 +266,7 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
     const T* qp = query + seqs.rows[it.i] * q_stride0 + h * q_stride1;
     for (int64_t c = 0; c < C; ++c) st.q[h * C + c] = load_lanes<kL>(qp + c * kL);
 #if defined(__AVX512BF16__)
-    if constexpr (kPairs<T>())
+    if constexpr (kPairs<KV>())
       for (int64_t c = 0; c < C / 2; ++c) st.qb[h * C / 2 + c] = (__m512bh)_mm512_loadu_si512(qp + c * 2 * kL);
 #endif
     st.m[h] = kNegInf;
@@ -268,11 +274,11 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
     for (int64_t c = 0; c < C; ++c) st.acc[h * C + c] = fv{};
   }
   alignas(64) float probs[kMaxGroup][kL];
-  const T* krows[kL];
-  const T* vrows[kL];
-  const T* next_k[kL];
-  const T* next_v[kL];
-  const int64_t row_bytes = seqs.num_kv_heads * seqs.head_dim * sizeof(T);
+  const KV* krows[kL];
+  const KV* vrows[kL];
+  const KV* next_k[kL];
+  const KV* next_v[kL];
+  const int64_t row_bytes = seqs.num_kv_heads * seqs.head_dim * sizeof(KV);
   iv lane;
   for (int x = 0; x < kL; ++x) lane[x] = x;
   for (int64_t j0 = it.begin; j0 < it.end; j0 += kL) {
@@ -300,12 +306,12 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
         const int64_t h = kv * group + g;
         const int64_t t0 = h * next_count / num_heads, t1 = (h + 1) * next_count / num_heads;
         for (int64_t t = t0; t < t1; ++t) prefetch_l2(next_k[t], row_bytes);
-        const fv scores = tile_scores<T, CT>(st, h, krows, kv_offset, count, C) * scale;
+        const fv scores = tile_scores<KV, CT>(st, h, krows, kv_offset, count, C) * scale;
         for (int64_t t = t0; t < t1; ++t) prefetch_l2(next_v[t], row_bytes);
         const fv p = softmax_step<CT>(st, h, scores, valid, C);
         std::memcpy(probs[g], &p, sizeof p);
       }
-      tile_values<T, CT>(st, kv * group, group, probs, vrows, kv_offset, count, C);
+      tile_values<KV, CT>(st, kv * group, group, probs, vrows, kv_offset, count, C);
     }
   }
 }
@@ -358,9 +364,9 @@ int64_t span_for(const Seqs& seqs, int64_t n, int64_t threads) {
   return std::clamp(span, kMinSpan, kSpan);
 }
 
-template <typename T, int CT>
+template <typename T, typename KV, int CT>
 void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query, int64_t q_stride0,
-                    int64_t q_stride1, const T* k_cache, const T* v_cache, const Seqs& seqs, int64_t n,
+                    int64_t q_stride1, const KV* k_cache, const KV* v_cache, const Seqs& seqs, int64_t n,
                     int64_t num_heads, float scale, bool serial) {
   const int64_t chunks = seqs.head_dim / kL;
   const int64_t span = span_for(seqs, n, serial ? 1 : at::get_num_threads());
@@ -399,7 +405,7 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
   auto worker = [&](int64_t, int64_t) {
     Scratch st(num_heads, chunks);
     for (int64_t w; (w = next.fetch_add(1)) < num_items;) {
-      run_item<T, CT>(items[w], seqs, query, q_stride0, q_stride1, k_cache, v_cache, num_heads, scale, st);
+      run_item<T, KV, CT>(items[w], seqs, query, q_stride0, q_stride1, k_cache, v_cache, num_heads, scale, st);
       finish(items[w], st);
     }
   };
@@ -426,15 +432,15 @@ bool few_positions(const Seqs& seqs, int64_t n, int64_t parallel_positions) {
   return total < parallel_positions;
 }
 
-template <typename T>
+template <typename T, typename KV>
 void dispatch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
               const torch::Tensor& v_cache, const Seqs& seqs, int64_t n, float scale, bool serial) {
   auto run = [&](auto chunks_tag) {
     constexpr int CT = decltype(chunks_tag)::value;
-    attention_impl<T, CT>(reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1),
-                          reinterpret_cast<const T*>(query.data_ptr()), query.stride(0), query.stride(1),
-                          reinterpret_cast<const T*>(k_cache.data_ptr()),
-                          reinterpret_cast<const T*>(v_cache.data_ptr()), seqs, n, query.size(1), scale, serial);
+    attention_impl<T, KV, CT>(reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1),
+                              reinterpret_cast<const T*>(query.data_ptr()), query.stride(0), query.stride(1),
+                              reinterpret_cast<const KV*>(k_cache.data_ptr()),
+                              reinterpret_cast<const KV*>(v_cache.data_ptr()), seqs, n, query.size(1), scale, serial);
   };
   // The common head sizes get loops of fixed length (their accumulators in
   // registers); others run the same code with a runtime length.
@@ -456,10 +462,12 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_ca
   const int64_t n = rows.size(0);
   if (n == 0) return;
   const bool serial = few_positions(seqs, n, parallel_positions);
-  if (query.scalar_type() == at::kFloat) {
-    dispatch<float>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
+  if (query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf) {
+    dispatch<float, c10::Half>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
+  } else if (query.scalar_type() == at::kFloat) {
+    dispatch<float, float>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
   } else {
-    dispatch<c10::BFloat16>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
+    dispatch<c10::BFloat16, c10::BFloat16>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
   }
 }
 

@@ -51,6 +51,7 @@ def make_case(
     head_dim: int = 16,
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,  # None: dtype
     shared: tuple[tuple[int, int, int], ...] = (),  # (seq, source seq, leading blocks it borrows)
     seed: int = 0,
 ) -> Case:
@@ -118,8 +119,8 @@ def make_case(
         query=torch.randn(len(slots), num_heads, head_dim, generator=gen).to(DEVICE, dtype),
         key=torch.stack(new_k).to(DEVICE, dtype),
         value=torch.stack(new_v).to(DEVICE, dtype),
-        k_cache=k_cache.to(DEVICE, dtype),
-        v_cache=v_cache.to(DEVICE, dtype),
+        k_cache=k_cache.to(DEVICE, cache_dtype or dtype),
+        v_cache=v_cache.to(DEVICE, cache_dtype or dtype),
         meta=meta,
         block_tables=tables,
         slots=slots,

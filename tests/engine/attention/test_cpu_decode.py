@@ -127,3 +127,26 @@ def test_a_lone_sequence_is_split_across_threads_and_matches_the_reference(kerne
         case = make_case([(length, 1)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
                          seed=length)
         check_backend(_backend("kernel"), case)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("path", ["kernel", "twin"])
+def test_a_float16_cache_under_float32_queries(kernel, path, scenario):
+    """A float32 model's 16-bit cache: every query attends over the K/V as
+    the cache holds them, rounded to float16 (the reference reads the same
+    cache in float64), whether they were written this step or before."""
+    case = make_case(SCENARIOS[scenario], cache_dtype=torch.float16, head_dim=32, seed=9)
+    assert cpu_decode.supports(case.query, case.k_cache)
+    check_backend(_backend(path), case)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_float16_cache_over_long_contexts_and_head_shapes(kernel, monkeypatch, head_dim, threads):
+    """Past the kernel's span, split across threads and merged, and on the
+    odd-chunk head sizes."""
+    monkeypatch.setattr(cpu_decode, "PARALLEL_POSITIONS_WHEN_THREADS_SLEEP", 0)
+    with torch_threads(threads):
+        case = make_case(LONG_DECODES, num_heads=9, num_kv_heads=3, head_dim=head_dim, block_size=16,
+                         cache_dtype=torch.float16, seed=head_dim)
+        check_backend(_backend("kernel"), case)
