@@ -12,8 +12,12 @@ written, then attention), in milliseconds, with the K/V bytes read per
 second and the kernel's speedup over the twin. The KV cache lies where the
 engine puts it (`allocate_kv_caches`).
 
-    python benchmarks/decode_attention.py [--dtype bfloat16] [--batches 1x512 4x300 16x450 64x500]
-        [--rounds 5] [--out PATH]
+`--kv-cache-dtype float16` keeps float32 queries over a float16 cache (a
+float32 model's default cache on the CPU), as many blocks as the same bytes
+hold.
+
+    python benchmarks/decode_attention.py [--dtype bfloat16] [--kv-cache-dtype float16]
+        [--batches 1x512 4x300 16x450 64x500] [--rounds 5] [--out PATH]
 """
 
 from __future__ import annotations
@@ -88,21 +92,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", nargs="+", default=["1x512", "4x300", "16x450", "64x500"],
                         help="NxL: N sequences of mean context L (uniform in L/2 .. 3L/2)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["float16"],
+                        help="the cache's element type (default: --dtype); float16 needs --dtype float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode_attention-<dtype>.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    element = torch.empty((), dtype=dtype).element_size()
+    cache_dtype = getattr(torch, args.kv_cache_dtype or args.dtype)
+    if cache_dtype != dtype and dtype != torch.float32:
+        parser.error("--kv-cache-dtype float16 needs --dtype float32")
+    element = torch.empty((), dtype=cache_dtype).element_size()
     num_blocks = CACHE_BYTES // (2 * LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * element)
-    result = {"machine": machine_facts(), "dtype": args.dtype, "threads": torch.get_num_threads(),
+    result = {"machine": machine_facts(), "dtype": args.dtype, "kv_cache_dtype": str(cache_dtype)[6:],
+              "threads": torch.get_num_threads(),
               "num_blocks": num_blocks, "load_before": load_average(), "batches": {}}
-    caches = allocate_kv_caches(_Config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
+    caches = allocate_kv_caches(_Config, num_blocks, BLOCK_SIZE, cache_dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for cache in caches:
         for t in cache:
             t.normal_(generator=gen)
     backends = {"kernel": TorchAttentionBackend(decode_kernel=True), "twin": TorchAttentionBackend(decode_kernel=False)}
-    print(f"{args.dtype}, {num_blocks} blocks, {torch.get_num_threads()} threads")
+    print(f"{args.dtype} over a {str(cache_dtype)[6:]} cache, {num_blocks} blocks, {torch.get_num_threads()} threads")
     for spec in args.batches:
         n, mean = (int(x) for x in spec.split("x"))
         lens = torch.randint(mean // 2, mean * 3 // 2 + 1, (n,), generator=gen).tolist()
@@ -123,7 +133,8 @@ def main() -> None:
               f"{row['speedup']}x")
     result["load_after"] = load_average()
     print(f"load before {result['load_before']}, after {result['load_after']}")
-    write_json(result, args.out or f"benchmarks/results/decode_attention-{args.dtype}.json")
+    suffix = f"-{args.kv_cache_dtype}-cache" if args.kv_cache_dtype else ""
+    write_json(result, args.out or f"benchmarks/results/decode_attention-{args.dtype}{suffix}.json")
 
 
 if __name__ == "__main__":
