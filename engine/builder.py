@@ -53,17 +53,20 @@ def resolve_dtype(name: str, device: torch.device, *, native_bfloat16: bool | No
 AUTO_FLOAT16_CACHE_ENV = "LORAGW_AUTO_FLOAT16_KV_CACHE"
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device,
+                           attention_backend: str = "torch") -> torch.dtype:
     """The cache's element type for a model computing in `dtype` on `device`
     (CacheConfig.kv_cache_dtype): `auto` is float16 for a float32 model on
-    the CPU, which the decode kernel widens as it reads, else the model's."""
-    cpu_float32 = device.type == "cpu" and dtype == torch.float32
-    auto_float16 = cpu_float32 and os.environ.get(AUTO_FLOAT16_CACHE_ENV, "1") != "0"
+    the CPU under the torch attention backend, which widens it as it reads
+    (the Triton kernels read the query's dtype), else the model's."""
+    widened = device.type == "cpu" and dtype == torch.float32 and attention_backend == "torch"
+    auto_float16 = widened and os.environ.get(AUTO_FLOAT16_CACHE_ENV, "1") != "0"
     if name == "model" or (name == "auto" and not auto_float16):
         return dtype
-    if not cpu_float32:
-        raise ValidationError("kv_cache_dtype", f"float16 is for a float32 model on the CPU, not {dtype} on "
-                                                f"{device.type}")
+    if not widened:
+        raise ValidationError("kv_cache_dtype", f"float16 is for a float32 model on the CPU with the torch "
+                                                f"attention backend, not {dtype} on {device.type} with "
+                                                f"{attention_backend}")
     return torch.float16
 
 
@@ -122,7 +125,7 @@ def build_llm_engine(config: EngineConfig) -> LLMEngine:
                         quantization=config.quantization, activation_quantization=config.activation_quantization)
 
     cache = config.cache
-    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, device, attn.name)
     bytes_per_block = kv_cache_bytes_per_block(loaded.hf_config, cache.block_size, kv_dtype)
     max_model_len = min(config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len)
     sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)

@@ -100,9 +100,9 @@ class CacheConfig:
     # docs/engine.md, "A 16-bit cache for float32 models". vLLM's "auto" is
     # our "model".
     kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES,
-                                  help="KV cache element type: auto (float16 for a float32 model on the CPU, else "
-                                       "the model's), model (the model's dtype) or float16 (a float32 model on the "
-                                       "CPU only)")
+                                  help="KV cache element type: auto (float16 for a float32 model on the CPU with "
+                                       "the torch attention backend, else the model's), model (the model's dtype) or "
+                                       "float16 (only where auto would pick it)")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -189,7 +189,8 @@ class EngineConfig:
     """Everything `LLM(...)`, `loragw serve` and `loragw worker` accept."""
 
     model: str | None = setting(None, help="local HF-format Llama checkpoint; default: bundled SmolLM2-135M-Instruct")
-    dtype: str = setting("auto", choices=_DTYPES, help="weights and KV dtype; auto: bfloat16 on a GPU and "
+    dtype: str = setting("auto", choices=_DTYPES, help="weights and compute dtype (the KV cache's: see "
+                                                       "--kv-cache-dtype); auto: bfloat16 on a GPU and "
                                                        "on a CPU with native bfloat16 (AVX512-BF16, AMX, Arm BF16), "
                                                        "else float32")
     device: str = setting("auto", help="cpu, cuda, cuda:N or auto")

@@ -462,6 +462,13 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_ca
   const int64_t n = rows.size(0);
   if (n == 0) return;
   const bool serial = few_positions(seqs, n, parallel_positions);
+  // The pairs dispatched below, and nothing else: a cache read as the wrong
+  // type would be read past its end.
+  const auto q = query.scalar_type(), c = k_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == q && v_cache.scalar_type() == c &&
+                  ((q == at::kFloat && (c == at::kFloat || c == at::kHalf)) ||
+                   (q == at::kBFloat16 && c == at::kBFloat16)),
+              "decode_attention: unsupported query/cache dtypes ", q, "/", c);
   if (query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf) {
     dispatch<float, c10::Half>(out, query, k_cache, v_cache, seqs, n, (float)scale, serial);
   } else if (query.scalar_type() == at::kFloat) {

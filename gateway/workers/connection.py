@@ -86,7 +86,8 @@ class WorkerConnection:
 
     @property
     def ready(self) -> bool:
-        return self.state is WorkerState.READY
+        # Not while a lost worker's last frames are read (EXIT_DRAIN_S): nothing new may go to it.
+        return self.state is WorkerState.READY and not self._lost.is_set()
 
     def describe(self) -> str:
         """The worker's state for /health."""
@@ -127,7 +128,8 @@ class WorkerConnection:
     def mark_lost(self, reason: str) -> None:
         """The supervisor saw the worker's process exit: do not wait for
         the heartbeat to time out."""
-        self.problem = reason
+        if not self._lost.is_set():  # a Fatal read first says more
+            self.problem = reason
         self._exited = True
         self._lost.set()
 
@@ -176,7 +178,7 @@ class WorkerConnection:
                     last_heard = self.clock()
                     if not self._handle(frame):
                         return _REFUSED_REDIAL_S
-            elif self.clock() - last_heard > self.heartbeat_timeout_s:
+            elif not self._lost.is_set() and self.clock() - last_heard > self.heartbeat_timeout_s:
                 self.problem = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
                 break
         if self._exited:

@@ -26,28 +26,39 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
 
 
-@pytest.mark.parametrize("name,dtype,device,expected", [
-    ("auto", F32, CPU, F16),
-    ("auto", BF16, CPU, BF16),
-    ("auto", BF16, CUDA, BF16),
-    ("auto", F32, CUDA, F32),
-    ("model", F32, CPU, F32),
-    ("float16", F32, CPU, F16),
+@pytest.mark.parametrize("name,dtype,device,backend,expected", [
+    ("auto", F32, CPU, "torch", F16),
+    ("auto", F32, CPU, "triton", F32),  # the Triton interpreter's kernels read the query's dtype
+    ("auto", BF16, CPU, "torch", BF16),
+    ("auto", BF16, CUDA, "triton", BF16),
+    ("auto", F32, CUDA, "triton", F32),
+    ("model", F32, CPU, "torch", F32),
+    ("float16", F32, CPU, "torch", F16),
 ])
-def test_auto_is_float16_for_a_float32_model_on_the_cpu(monkeypatch, name, dtype, device, expected):
+def test_auto_is_float16_for_a_float32_model_on_the_cpu(monkeypatch, name, dtype, device, backend, expected):
     monkeypatch.delenv(AUTO_FLOAT16_CACHE_ENV, raising=False)
-    assert resolve_kv_cache_dtype(name, dtype, device) == expected
+    assert resolve_kv_cache_dtype(name, dtype, device, backend) == expected
 
 
 def test_the_switch_keeps_auto_at_the_models_dtype_and_float16_elsewhere_is_refused(monkeypatch):
     monkeypatch.setenv(AUTO_FLOAT16_CACHE_ENV, "0")
     assert resolve_kv_cache_dtype("auto", F32, CPU) == F32
     assert resolve_kv_cache_dtype("float16", F32, CPU) == F16  # asked for by name, it still applies
-    for dtype, device in ((BF16, CPU), (F32, CUDA)):
+    for dtype, device, backend in ((BF16, CPU, "torch"), (F32, CUDA, "triton"), (F32, CPU, "triton")):
         with pytest.raises(ValidationError, match="float32 model on the CPU"):
-            resolve_kv_cache_dtype("float16", dtype, device)
+            resolve_kv_cache_dtype("float16", dtype, device, backend)
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         EngineConfig.from_flat(kv_cache_dtype="fp8")
+
+
+def test_the_triton_backend_on_the_cpu_keeps_a_float32_cache_by_default(tiny_llama_dir, monkeypatch):
+    """Its kernels read the query's dtype: auto must not hand them float16."""
+    monkeypatch.delenv(AUTO_FLOAT16_CACHE_ENV, raising=False)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="triton", num_kv_blocks=16)
+    assert llm.engine.core.runner.kv_caches[0][0].dtype == F32
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        LLM(str(tiny_llama_dir), dtype="float32", attention_backend="triton", num_kv_blocks=16,
+            kv_cache_dtype="float16")
 
 
 def test_a_float16_cache_holds_twice_the_blocks_of_a_float32_one(tiny_llama_dir):

@@ -75,9 +75,11 @@ def test_a_worker_whose_exit_is_seen_first_still_has_what_it_sent_read(tmp_path,
         worker = context.socket(zmq.ROUTER)
         worker.bind(f"ipc://{tmp_path}/w.sock")
         codec = Codec()
-        # A short timeout polls often, so the loss is seen well before the last frames are sent.
+        # A short timeout polls often, so the loss is seen well before the
+        # last frames are sent; the frozen clock never times the fake worker
+        # out (the drain keeps real time).
         conn = WorkerConnection("0", f"ipc://{tmp_path}/w.sock", context=context, session="t", on_usage=print,
-                                heartbeat_timeout_s=0.2)
+                                heartbeat_timeout_s=0.2, clock=lambda: 0.0)
         await conn.start()
         try:
             peer, _ = await asyncio.wait_for(worker.recv_multipart(), 30)
@@ -90,6 +92,7 @@ def test_a_worker_whose_exit_is_seen_first_still_has_what_it_sent_read(tmp_path,
             _, frame = await asyncio.wait_for(worker.recv_multipart(), 30)
             assert isinstance(codec.decode_to_worker(frame), AddRequest)
             conn.mark_lost("the worker process exited with code 3")
+            assert not conn.ready  # nothing new goes to it while what it sent is read
             await asyncio.sleep(0.2)  # the session loop has seen the loss and is reading what is left
             await worker.send_multipart([peer, codec.encode(READY)])
             if last_words == "fatal":
