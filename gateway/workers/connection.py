@@ -86,8 +86,7 @@ class WorkerConnection:
 
     @property
     def ready(self) -> bool:
-        # Not while a lost worker's last frames are read (EXIT_DRAIN_S): nothing new may go to it.
-        return self.state is WorkerState.READY and not self._lost.is_set()
+        return self.state is WorkerState.READY
 
     def describe(self) -> str:
         """The worker's state for /health."""
@@ -131,7 +130,7 @@ class WorkerConnection:
         if not self._lost.is_set():  # a Fatal read first says more
             self.problem = reason
         self._exited = True
-        self._lost.set()
+        self._lose()
 
     # ---- the session loop -------------------------------------------------------------
 
@@ -208,7 +207,7 @@ class WorkerConnection:
             return self._refused(message.reason)
         elif isinstance(message, Fatal):
             self.problem = f"the worker stopped: {message.error}"
-            self._lost.set()
+            self._lose()
         return True
 
     def _on_status(self, status: Status) -> None:
@@ -254,6 +253,13 @@ class WorkerConnection:
         self._fail_in_flight(reason)
         self.snapshot = None
         return False
+
+    def _lose(self) -> None:
+        """Down from now: /health says so and nothing new is sent to it,
+        while the session loop still reads what the worker sent last."""
+        self._lost.set()
+        if self.state is not WorkerState.REFUSED:
+            self.state = WorkerState.DOWN
 
     def _set_down(self) -> None:
         if self.state is not WorkerState.REFUSED:
