@@ -17,6 +17,7 @@ from tests.gateway.workers.live_fleet import start_fleet_server
 
 PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(24 + i)] for i in range(12)]
 LONG = 500  # tokens: the standard requests still run when premium arrives
+ABANDONED_TOKENS = 1900  # of the tiny model's 2048 positions
 # (tenant, model): lora-a is gold's own adapter, lora-b is shared.
 MIXED = [("gold", "lora-a"), ("silver", "lora-b"), ("gold", None), ("silver", None), ("gold", "lora-b"),
          ("gold", "lora-a")]
@@ -31,8 +32,12 @@ async def _complete(client, server, tenant, prompt, tokens, model=None):
 
 
 async def _abandon(client, server, prompt) -> None:
-    """A stream the client leaves after its first chunk: a client_disconnect."""
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 300, "min_tokens": 300, "stream": True}
+    """A stream the client leaves after its first chunk: a client_disconnect.
+    It asks for most of the tiny model's context so that the client's hang-up
+    reaches the gateway first even on a loaded host (300 tokens once finished
+    before it did, in CI, and the request was billed as "length")."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": ABANDONED_TOKENS, "min_tokens": ABANDONED_TOKENS,
+            "stream": True}
     async with client.stream("POST", "/v1/completions", json=body, headers=server.headers("silver")) as r:
         async for _line in r.aiter_lines():
             break
