@@ -900,6 +900,16 @@ void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, in
   int64_t j = 0;
   for (; j + 4 <= m; j += 4)
     dot_rows_q<T, 4, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+  // The last 2 or 3 rows in one pass over the weight, not one each: on a
+  // 2-core Zen 4 a float32 Q4_1 call of 2 rows took 1.3x one of 1 row, 3
+  // rows 1.7x 4 (docs/engine.md, "Quantization").
+  if (m - j == 3) {
+    dot_rows_q<T, 3, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+    j += 3;
+  } else if (m - j == 2) {
+    dot_rows_q<T, 2, kTileRowsX4>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+    j += 2;
+  }
   for (; j < m; ++j) dot_rows_q<T, 1, kTileRowsX1>(x + j * x_stride, x_stride, rows, n0, nr, k, out + j * out_stride + n0, 0);
   if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
 }
@@ -910,19 +920,47 @@ void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, in
 // unpack, a conversion, a multiply and an add before 4 FMAs), so from ~16
 // rows it lost to MKL reading 7x the bytes. Here a thread widens each 16-row
 // tile of the weight once, into float32, and runs the same loop over the
-// tile: the same values in the same order, so every sum is bit for bit the
-// loop's, whatever the row count (the token rows of a verifying sequence
+// tile: the same values summed in the same order (dot_f32_tile), so every
+// sum is bit for bit the loop's, whatever the row count (the token rows of a verifying sequence
 // score as its one-row decode does).
 constexpr int64_t kF32TileRows = 4;
 
-template <typename Rows>
-struct F32Tile {  // rows n0 .. n0 + kRowTile of `rows`, widened once
-  const float* tile;
-  int64_t n0, k;
-  const Rows& rows;
-  fvec load(int64_t n, int64_t h) const { return load_lanes<kVec>(tile + (n - n0) * k + h); }
-  float finish(int64_t n, float dot) const { return rows.finish(n, dot); }
-};
+// dot_rows_q's sums for JB token rows against the nk weight rows of a
+// widened tile (rows n0 ..), KT at a time, in the same order. Every operand
+// sits in a register for all the multiply-adds that use it: GCC otherwise
+// folds a load into each one, 20 loads for 16 multiply-adds, and on a 2-core
+// Zen 4 a call of 16 to 64 rows then ran 1.4-1.8x slower
+// (docs/engine.md, "Quantization").
+template <int JB, int KT, typename Rows>
+void dot_f32_tile(const float* x, int64_t x_stride, const float* tile, const Rows& rows, int64_t n0, int64_t nk,
+                  int64_t k, float* y, int64_t y_stride) {
+  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
+    int64_t r[KT];
+    const float* w[KT];
+    for (int kk = 0; kk < KT; ++kk) {
+      r[kk] = std::min<int64_t>(k0 + kk, nk - 1);
+      w[kk] = tile + r[kk] * k;
+    }
+    fvec acc[JB][KT];
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KT; ++kk) acc[jj][kk] = fvec{};
+    for (int64_t h = 0; h < k; h += kVec) {
+      fvec xv[JB];
+      for (int jj = 0; jj < JB; ++jj) {
+        xv[jj] = load_lanes<kVec>(x + jj * x_stride + h);
+        asm("" : "+v"(xv[jj]));
+      }
+      for (int kk = 0; kk < KT; ++kk) {
+        fvec wv = load_lanes<kVec>(w[kk] + h);
+        asm("" : "+v"(wv));
+        for (int jj = 0; jj < JB; ++jj) acc[jj][kk] += xv[jj] * wv;
+      }
+    }
+    for (int jj = 0; jj < JB; ++jj)
+      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk)
+        y[jj * y_stride + k0 + kk] = rows.finish(n0 + r[kk], hsum<kVec>(acc[jj][kk]));
+  }
+}
 
 template <typename Rows>
 void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
@@ -937,7 +975,12 @@ void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, in
           const fvec w = rows.load(n0 + r, h);
           std::memcpy(tile.data() + r * k + h, &w, sizeof w);
         }
-      dot_tile_rows(x, x_stride, m, F32Tile<Rows>{tile.data(), n0, k, rows}, n0, nr, k, bias, out, out_stride);
+      int64_t j = 0;
+      for (; j + 4 <= m; j += 4)
+        dot_f32_tile<4, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+      for (; j < m; ++j)
+        dot_f32_tile<1, 8>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, 0);
+      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
     }
   });
 }
