@@ -891,9 +891,9 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
 }
 #endif
 
-// Every token row of x against the nr weight rows from n0 that `rows` gives,
-// 4 token rows at a time, then one at a time, then the bias: the loop's
-// tile, whether `rows` widens the weight as it goes or reads a widened tile.
+// Every token row of x against the nr weight rows from n0 that `rows` gives
+// (widening the weight as it goes), 4 token rows at a time, then the last 2
+// or 3 in one pass, else 1, then the bias.
 template <typename T, typename Rows>
 void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n0, int64_t nr, int64_t k,
                    const T* bias, T* out, int64_t out_stride) {
@@ -929,8 +929,8 @@ constexpr int64_t kF32TileRows = 4;
 // widened tile (rows n0 ..), KT at a time, in the same order. Every operand
 // sits in a register for all the multiply-adds that use it: GCC otherwise
 // folds a load into each one, 20 loads for 16 multiply-adds, and on a 2-core
-// Zen 4 a call of 16 to 64 rows then ran 1.4-1.8x slower
-// (docs/engine.md, "Quantization").
+// Zen 4 a Q4_1 call on the gate weight of 16 to 64 rows then ran 1.3-1.6x
+// slower (docs/engine.md, "Quantization").
 template <int JB, int KT, typename Rows>
 void dot_f32_tile(const float* x, int64_t x_stride, const float* tile, const Rows& rows, int64_t n0, int64_t nk,
                   int64_t k, float* y, int64_t y_stride) {
@@ -978,6 +978,14 @@ void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, in
       int64_t j = 0;
       for (; j + 4 <= m; j += 4)
         dot_f32_tile<4, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+      // The last 2 or 3 rows in one pass over the tile, as dot_tile_rows.
+      if (m - j == 3) {
+        dot_f32_tile<3, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+        j += 3;
+      } else if (m - j == 2) {
+        dot_f32_tile<2, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
+        j += 2;
+      }
       for (; j < m; ++j)
         dot_f32_tile<1, 8>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, 0);
       if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);

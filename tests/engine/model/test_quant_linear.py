@@ -133,16 +133,20 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     score a token as its plain one-row decode would, or greedy output would
     change with speculation on. 37 rows take three of AMX's 16-row tiles, in
     two passes; without AMX, calls of up to 4 rows skip the dequantized
-    tile in bfloat16, and the splits put 1, 2, 3 and 4 rows against it."""
-    qws, gen = _weights((100, 96), seed=4, twin_blocks=cancelling)  # 100 rows: a partial weight tile
+    tile in bfloat16, and the splits put 1, 2, 3 and 4 rows against it.
+    In float32 on AVX-512, calls past 4 rows go 4 at a time over a widened
+    tile, then the last 1, 2 or 3 in one pass: 6, 7 and 31 rows reach those
+    last passes."""
+    # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
+    qws, gen = _weights((102, 96), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     if cancelling:
         x = _cancelling_rows(x)
-    together = torch.empty(rows, 100, dtype=dtype)
+    together = torch.empty(rows, 102, dtype=dtype)
     assert qw.run_kernel(kernel, x, None, together)
-    for split in ((1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8)):
-        parts = [torch.empty(len(rows), 100, dtype=dtype) for rows in x.split(split)]
+    for split in ((1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8), (6, rows - 6)):
+        parts = [torch.empty(len(rows), 102, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
             assert qw.run_kernel(kernel, rows, None, out)
         assert torch.equal(torch.cat(parts), together), split
