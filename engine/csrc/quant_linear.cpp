@@ -919,9 +919,9 @@ void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, in
 // loop above widens each weight vector once per 4 token rows (a nibble
 // unpack, a conversion, a multiply and an add before 4 FMAs), so from ~16
 // rows it lost to MKL reading 7x the bytes. Here a thread widens each 16-row
-// tile of the weight once, into float32, and runs the same loop over the
-// tile: the same values summed in the same order (dot_f32_tile), so every
-// sum is bit for bit the loop's, whatever the row count (the token rows of a verifying sequence
+// tile of the weight once, into float32, and sums the same values in the
+// same order over the tile (dot_f32_tile), so every sum is bit for bit the
+// loop's, whatever the row count (the token rows of a verifying sequence
 // score as its one-row decode does).
 constexpr int64_t kF32TileRows = 4;
 
