@@ -241,6 +241,17 @@ struct Q80Rows {
 // y[j * y_stride + r] = x_j . w_(r0 + r) for JB rows of x (x_stride apart)
 // and the nk weight rows from r0, in float32, KT weight rows at a time (a
 // tile past nk repeats the last row and drops its result).
+//
+// Over a widened tile (F32Tile, below) every operand is loaded into a
+// register once for all the multiply-adds that use it (the empty asm): GCC
+// otherwise folded a load into each one, 20 loads for 16 multiply-adds, and
+// on a 2-core Zen 4 a float32 Q4_1 call on the gate weight of 16 to 64 rows
+// ran 1.3-1.6x slower. Where `rows` widens as it goes, pinning the
+// activations made 3- and 4-row calls 1.1-1.4x slower (docs/engine.md,
+// "Quantization").
+template <typename Rows>
+constexpr bool kWidenedTile = false;
+
 template <typename T, int JB, int KT, typename Rows>
 void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int64_t nk, int64_t k_dim,
                 T* y, int64_t y_stride) {
@@ -252,9 +263,13 @@ void dot_rows_q(const T* x, int64_t x_stride, const Rows& rows, int64_t r0, int6
 #pragma GCC unroll 4
       for (int64_t h = b; h < b + kBlock; h += kVec) {
         fvec xv[JB];
-        for (int jj = 0; jj < JB; ++jj) xv[jj] = load_lanes<kVec>(x + jj * x_stride + h);
+        for (int jj = 0; jj < JB; ++jj) {
+          xv[jj] = load_lanes<kVec>(x + jj * x_stride + h);
+          if constexpr (kWidenedTile<Rows>) asm("" : "+v"(xv[jj]));
+        }
         for (int kk = 0; kk < KT; ++kk) {
-          const fvec wv = rows.load(r[kk], h);
+          fvec wv = rows.load(r[kk], h);
+          if constexpr (kWidenedTile<Rows>) asm("" : "+v"(wv));
           for (int jj = 0; jj < JB; ++jj) acc[jj][kk] += xv[jj] * wv;
         }
       }
@@ -891,9 +906,9 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
 }
 #endif
 
-// Every token row of x against the nr weight rows from n0 that `rows` gives
-// (widening the weight as it goes), 4 token rows at a time, then the last 2
-// or 3 in one pass, else 1, then the bias.
+// Every token row of x against the nr weight rows from n0 that `rows` gives,
+// 4 token rows at a time, then the last 2 or 3 in one pass, else 1, then the
+// bias: whether `rows` widens the weight as it goes or reads a widened tile.
 template <typename T, typename Rows>
 void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n0, int64_t nr, int64_t k,
                    const T* bias, T* out, int64_t out_stride) {
@@ -919,48 +934,22 @@ void dot_tile_rows(const T* x, int64_t x_stride, int64_t m, const Rows& rows, in
 // loop above widens each weight vector once per 4 token rows (a nibble
 // unpack, a conversion, a multiply and an add before 4 FMAs), so from ~16
 // rows it lost to MKL reading 7x the bytes. Here a thread widens each 16-row
-// tile of the weight once, into float32, and sums the same values in the
-// same order over the tile (dot_f32_tile), so every sum is bit for bit the
+// tile of the weight once, into float32, and runs the same loop over the
+// tile: the same values in the same order, so every sum is bit for bit the
 // loop's, whatever the row count (the token rows of a verifying sequence
 // score as its one-row decode does).
 constexpr int64_t kF32TileRows = 4;
 
-// dot_rows_q's sums for JB token rows against the nk weight rows of a
-// widened tile (rows n0 ..), KT at a time, in the same order. Every operand
-// sits in a register for all the multiply-adds that use it: GCC otherwise
-// folds a load into each one, 20 loads for 16 multiply-adds, and on a 2-core
-// Zen 4 a Q4_1 call on the gate weight of 16 to 64 rows then ran 1.3-1.6x
-// slower (docs/engine.md, "Quantization").
-template <int JB, int KT, typename Rows>
-void dot_f32_tile(const float* x, int64_t x_stride, const float* tile, const Rows& rows, int64_t n0, int64_t nk,
-                  int64_t k, float* y, int64_t y_stride) {
-  for (int64_t k0 = 0; k0 < nk; k0 += KT) {
-    int64_t r[KT];
-    const float* w[KT];
-    for (int kk = 0; kk < KT; ++kk) {
-      r[kk] = std::min<int64_t>(k0 + kk, nk - 1);
-      w[kk] = tile + r[kk] * k;
-    }
-    fvec acc[JB][KT];
-    for (int jj = 0; jj < JB; ++jj)
-      for (int kk = 0; kk < KT; ++kk) acc[jj][kk] = fvec{};
-    for (int64_t h = 0; h < k; h += kVec) {
-      fvec xv[JB];
-      for (int jj = 0; jj < JB; ++jj) {
-        xv[jj] = load_lanes<kVec>(x + jj * x_stride + h);
-        asm("" : "+v"(xv[jj]));
-      }
-      for (int kk = 0; kk < KT; ++kk) {
-        fvec wv = load_lanes<kVec>(w[kk] + h);
-        asm("" : "+v"(wv));
-        for (int jj = 0; jj < JB; ++jj) acc[jj][kk] += xv[jj] * wv;
-      }
-    }
-    for (int jj = 0; jj < JB; ++jj)
-      for (int kk = 0; kk < KT && k0 + kk < nk; ++kk)
-        y[jj * y_stride + k0 + kk] = rows.finish(n0 + r[kk], hsum<kVec>(acc[jj][kk]));
-  }
-}
+template <typename Rows>
+struct F32Tile {  // rows n0 .. n0 + kRowTile of `rows`, widened once
+  const float* tile;
+  int64_t n0, k;
+  const Rows& rows;
+  fvec load(int64_t n, int64_t h) const { return load_lanes<kVec>(tile + (n - n0) * k + h); }
+  float finish(int64_t n, float dot) const { return rows.finish(n, dot); }
+};
+template <typename Rows>
+constexpr bool kWidenedTile<F32Tile<Rows>> = true;
 
 template <typename Rows>
 void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
@@ -975,20 +964,7 @@ void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, in
           const fvec w = rows.load(n0 + r, h);
           std::memcpy(tile.data() + r * k + h, &w, sizeof w);
         }
-      int64_t j = 0;
-      for (; j + 4 <= m; j += 4)
-        dot_f32_tile<4, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
-      // The last 2 or 3 rows in one pass over the tile, as dot_tile_rows.
-      if (m - j == 3) {
-        dot_f32_tile<3, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
-        j += 3;
-      } else if (m - j == 2) {
-        dot_f32_tile<2, 4>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, out_stride);
-        j += 2;
-      }
-      for (; j < m; ++j)
-        dot_f32_tile<1, 8>(x + j * x_stride, x_stride, tile.data(), rows, n0, nr, k, out + j * out_stride + n0, 0);
-      if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, n0, nr);
+      dot_tile_rows(x, x_stride, m, F32Tile<Rows>{tile.data(), n0, k, rows}, n0, nr, k, bias, out, out_stride);
     }
   });
 }
