@@ -9,9 +9,9 @@ shared host). Paths:
 
   float_kernel   our float skinny kernel (engine/model/cpu_linear.py): the baseline
   float_torch    F.linear on the float weight (MKL in float32, oneDNN in bfloat16)
-  float_packed   bfloat16 only: oneDNN's linear on its packed copy of the
-                 weight (cpu_linear.pack), the engine's torch path where
-                 packing pays
+  float_packed   oneDNN's linear on its packed copy of the weight
+                 (cpu_linear.pack), the engine's torch path where packing
+                 pays, in float32 as in bfloat16
   int8_ours      engine/csrc/quant_linear.cpp, int8 per channel
   int8_torch     torch._weight_int8pack_mm (the CPU int8 weight-only op)
   int8_torchao   torchao Int8WeightOnlyConfig on an nn.Linear
@@ -99,7 +99,7 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
         q8a = [dataclasses.replace(w, int8_activations=True) for w in q8]
         paths["int4_act8"] = kernel_call(lambda x, i, out: q4a[i].run_kernel(qk, x, None, out))
         paths["q8_0_act8"] = kernel_call(lambda x, i, out: q8a[i].run_kernel(qk, x, None, out))
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available():
         packed = [cpu_linear.packed_copy(w) for w in weights]
         paths["float_packed"] = lambda x, i: cpu_linear.linear(None, x, weights[i], None, packed[i])
     for name, mods in torchao_linears(weights, dtype).items():
