@@ -68,6 +68,22 @@ def decode_meta(lens: list[int], num_blocks: int, gen: torch.Generator) -> Atten
     )
 
 
+def add_dtype_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["float16"],
+                        help="the cache's element type (default: --dtype); float16 needs --dtype float32")
+
+
+def dtypes_and_blocks(parser: argparse.ArgumentParser, args) -> tuple[torch.dtype, torch.dtype, int]:
+    """The queries' and the cache's dtypes, and as many cache blocks as CACHE_BYTES hold of the latter."""
+    dtype = getattr(torch, args.dtype)
+    cache_dtype = getattr(torch, args.kv_cache_dtype or args.dtype)
+    if cache_dtype != dtype and dtype != torch.float32:
+        parser.error("--kv-cache-dtype float16 needs --dtype float32")
+    element = torch.empty((), dtype=cache_dtype).element_size()
+    return dtype, cache_dtype, CACHE_BYTES // (2 * LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * element)
+
+
 def time_step(backend, caches, meta, q, k, v, rounds: int) -> tuple[float, torch.Tensor]:
     """Median milliseconds of one step's attention over every layer, and the last layer's output."""
     scale = HEAD_DIM**-0.5
@@ -89,20 +105,13 @@ def time_step(backend, caches, meta, q, k, v, rounds: int) -> tuple[float, torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype_args(parser)
     parser.add_argument("--batches", nargs="+", default=["1x512", "4x300", "16x450", "64x500"],
                         help="NxL: N sequences of mean context L (uniform in L/2 .. 3L/2)")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["float16"],
-                        help="the cache's element type (default: --dtype); float16 needs --dtype float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode_attention-<dtype>.json")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    cache_dtype = getattr(torch, args.kv_cache_dtype or args.dtype)
-    if cache_dtype != dtype and dtype != torch.float32:
-        parser.error("--kv-cache-dtype float16 needs --dtype float32")
-    element = torch.empty((), dtype=cache_dtype).element_size()
-    num_blocks = CACHE_BYTES // (2 * LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * element)
+    dtype, cache_dtype, num_blocks = dtypes_and_blocks(parser, args)
     result = {"machine": machine_facts(), "dtype": args.dtype, "kv_cache_dtype": str(cache_dtype)[6:],
               "threads": torch.get_num_threads(),
               "num_blocks": num_blocks, "load_before": load_average(), "batches": {}}

@@ -1,9 +1,11 @@
-"""The CPU prefill attention kernel (engine/attention/cpu_prefill.py,
-bfloat16 on AVX512-BF16) against its torch twin (one SDPA per chunk), on
-prefill steps as the engine runs them: SmolLM2-135M's 30 layers (9 query
-heads, 3 KV heads, head_dim 64) and a KV cache as large as `LLM()`
-allocates by default here (11,650 blocks of 16), blocks scattered over a
-shuffled pool.
+"""The CPU prefill attention kernel (engine/attention/cpu_prefill.py:
+bfloat16 on AVX512-BF16, float32 anywhere) against its torch twin (one SDPA
+per chunk), on prefill steps as the engine runs them: SmolLM2-135M's 30
+layers (9 query heads, 3 KV heads, head_dim 64) and a KV cache of the bytes
+`LLM()` allocates by default on a bfloat16 host (11,650 blocks of 16),
+blocks scattered over a shuffled pool. `--kv-cache-dtype float16` keeps
+float32 queries over a float16 cache (a float32 model's default cache on
+the CPU).
 
 A step is given as chunks: `NxQ` is N chunks of Q new tokens each with no
 cached prefix (a prompt's first chunk: SDPA's `is_causal` path), `NxQ+P`
@@ -15,7 +17,8 @@ milliseconds, with the causal attention's GFLOP/s (the scores and values
 a query can see: 4 * head_dim flops per query head and visible key) and
 the kernel's speedup over the twin.
 
-    python benchmarks/prefill_attention.py [--chunks 4x256 1x512+512 2x128+384] [--rounds 5] [--out PATH]
+    python benchmarks/prefill_attention.py [--dtype float32] [--kv-cache-dtype float16]
+        [--chunks 4x256 1x512+512 2x128+384] [--rounds 5] [--out PATH]
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the other CPU benchmar
 import argparse
 
 import torch
-from decode_attention import BLOCK_SIZE, CACHE_BYTES, HEAD_DIM, LAYERS, NUM_HEADS, NUM_KV_HEADS, _Config, time_step
+from decode_attention import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    LAYERS,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    _Config,
+    add_dtype_args,
+    dtypes_and_blocks,
+    time_step,
+)
 from machine import load_average, machine_facts, write_json
 
 from engine.attention.base import AttentionMetadata
@@ -76,21 +89,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", nargs="+", default=["1x64", "4x256", "1x512+512", "2x128+384", "1x1024"],
                         help="a step's chunks: NxQ, or NxQ+P over a cached prefix of P")
+    add_dtype_args(parser)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results/prefill_attention.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/prefill_attention-<dtype>.json")
     args = parser.parse_args()
-    dtype = torch.bfloat16
-    num_blocks = CACHE_BYTES // (2 * LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2)
-    result = {"machine": machine_facts(), "dtype": "bfloat16", "threads": torch.get_num_threads(),
-              "num_blocks": num_blocks, "load_before": load_average(), "steps": {}}
-    caches = allocate_kv_caches(_Config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
+    dtype, cache_dtype, num_blocks = dtypes_and_blocks(parser, args)
+    result = {"machine": machine_facts(), "dtype": args.dtype, "kv_cache_dtype": str(cache_dtype)[6:],
+              "threads": torch.get_num_threads(), "num_blocks": num_blocks, "load_before": load_average(),
+              "steps": {}}
+    caches = allocate_kv_caches(_Config, num_blocks, BLOCK_SIZE, cache_dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for cache in caches:
         for t in cache:
             t.normal_(generator=gen)
     backends = {"kernel": TorchAttentionBackend(prefill_kernel=True),
                 "twin": TorchAttentionBackend(prefill_kernel=False)}
-    print(f"bfloat16, {num_blocks} blocks, {torch.get_num_threads()} threads")
+    print(f"{args.dtype} over a {result['kv_cache_dtype']} cache, {num_blocks} blocks, "
+          f"{torch.get_num_threads()} threads")
     for spec in args.chunks:
         seqs = parse_chunks(spec)
         meta = chunk_meta(seqs, num_blocks, gen)
@@ -113,7 +128,8 @@ def main() -> None:
               f"{row['speedup']}x, max |diff| {row['max_abs_diff']:.4f}")
     result["load_after"] = load_average()
     print(f"load before {result['load_before']}, after {result['load_after']}")
-    write_json(result, args.out)
+    suffix = f"-{args.kv_cache_dtype}-cache" if args.kv_cache_dtype else ""
+    write_json(result, args.out or f"benchmarks/results/prefill_attention-{args.dtype}{suffix}.json")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,27 @@
-"""Paged prefill attention in bfloat16 on the CPU: a small C++ kernel for
-hosts with AVX512-BF16, compiled on first use.
+"""Paged prefill attention on the CPU: a small C++ kernel, compiled on
+first use, in float32 (over a float32 or float16 cache) on any x86 host and
+in bfloat16 on hosts with AVX512-BF16.
 
 At high concurrency most of a CPU step is prompt work, and its attention
 ran in torch's SDPA: on two Zen 5 cores its flash kernel takes bfloat16 at
-about float32's speed (65 to 110 GFLOP/s), and a chunk after a sequence's first also
-needs its K/V gathered out of the blocks and a mask that makes SDPA compute
-the whole rectangle of queries by keys. This kernel reads the blocks in
-place and skips the keys a query cannot see (engine/csrc/cpu_prefill.cpp):
-items of 16 query positions of one head, scores and values in vdpbf16ps.
+about float32's speed (65 to 110 GFLOP/s), on two Zen 3 cores its float32
+causal path reached ~20 GFLOP/s (a fifth of what float32 GEMM gets there),
+and a chunk after a sequence's first also needs its K/V gathered out of the
+blocks and a mask that makes SDPA compute the whole rectangle of queries by
+keys. This kernel reads the blocks in place and skips the keys a query
+cannot see (engine/csrc/cpu_prefill.cpp): items of 16 query positions,
+scores and values as register-tiled products.
 
-Numerics: bfloat16 products summed in float32, float32 softmax; the
-weights are rounded to bfloat16 before their product with V, as torch's own
-bfloat16 attention rounds them. Results match SDPA to bfloat16 rounding,
-not bit for bit. float32 stays on SDPA, whose float32 path is already near
-this host's float32 peak.
+Numerics: float32 sums and softmax. In bfloat16, the products are of
+bfloat16 pairs (vdpbf16ps) and the weights are rounded to bfloat16 before
+their product with V, as torch's own bfloat16 attention rounds them; in
+float32, a float16 cache's K/V are widened as they are read. Results match
+SDPA to rounding, not bit for bit.
 
 The torch twin is `TorchAttentionBackend`'s per-chunk SDPA, which serves
-where this kernel is not built (no AVX512-BF16, no compiler) or is turned
-off (LORAGW_CPU_PREFILL_KERNEL=0). How it is built and cached:
+where this kernel is not built (no compiler), does not cover the tensors
+(bfloat16 without AVX512-BF16) or is turned off
+(LORAGW_CPU_PREFILL_KERNEL=0). How it is built and cached:
 native/__init__.py.
 """
 
@@ -45,22 +49,28 @@ _KERNEL = native.Kernel("loragw_cpu_prefill", SOURCE, "CPU prefill attention ker
 
 
 def load_kernel():
-    """The built kernel, or None where it cannot be had or lacks AVX512-BF16."""
-    kernel = _KERNEL.load()
-    return kernel if kernel is not None and kernel.available() else None
+    """The built kernel, or None where it cannot be had."""
+    return _KERNEL.load()
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel's contract covers these tensors (the CPU's support is load_kernel's)."""
+    """Whether the kernel covers these tensors: float32 queries over a
+    float32 or float16 cache, or bfloat16 over bfloat16 where the build has
+    AVX512-BF16 (which loads the kernel to ask)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    return (
+    if not (
         query.device.type == "cpu"
-        and query.dtype == torch.bfloat16
-        and k_cache.dtype == torch.bfloat16
         and head_dim in HEAD_DIMS
         and k_cache.shape[1] % TILE == 0
         and num_heads % k_cache.shape[2] == 0
-    )
+    ):
+        return False
+    if query.dtype == torch.float32:
+        return k_cache.dtype in (torch.float32, torch.float16)
+    if query.dtype == k_cache.dtype == torch.bfloat16:
+        kernel = load_kernel()
+        return kernel is not None and kernel.has_bfloat16()
+    return False
 
 
 def paged_prefill_attention(
@@ -79,7 +89,7 @@ def paged_prefill_attention(
 ) -> None:
     """Causal attention of each chunk's queries (the last `len` positions of
     its sequence) over its context, into `out`."""
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
+    assert query.dtype == out.dtype and k_cache.dtype == v_cache.dtype
     assert query.stride(-1) == 1 and out.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert starts.dtype == lens.dtype == seq_ids.dtype == torch.int64

@@ -12,14 +12,15 @@ Per step, `prepare` groups the batch once:
   `scaled_dot_product_attention` with a key-padding mask (a bucket of one
   sequence, or of equal lengths, needs no mask);
 - prefill chunks go, all in one call, to the C++ kernel of `cpu_prefill`
-  (bfloat16 on CPUs with AVX512-BF16), which also reads the blocks in
-  place; otherwise they run one SDPA each: over this step's own K/V with
-  `is_causal` when the chunk is the whole context, else over the gathered
-  blocks with a bottom-right-aligned causal mask (the query is the last
-  `query_len` of `seq_len` positions). Without the prefill kernel, a chunk
-  of up to SHORT_CHUNK_ROWS rows (a speculating sequence's verification)
-  goes to the decode kernel instead, each row as a decode row over the
-  positions it may see.
+  (float32 everywhere, bfloat16 on CPUs with AVX512-BF16), which also reads
+  the blocks in place; without it, they run one SDPA each: over this
+  step's own K/V with `is_causal` when the chunk is the whole context, else
+  over the gathered blocks with a bottom-right-aligned causal mask (the
+  query is the last `query_len` of `seq_len` positions). Outside bfloat16,
+  a chunk of up to SHORT_CHUNK_ROWS rows (a speculating sequence's
+  verification) goes to the decode kernel instead, each row as a decode row
+  over the positions it may see, so that its rows are computed as the
+  decode rows they stand in for.
 
 A float32 model's cache may hold float16 (`kv_cache_dtype`,
 engine/config.py): the decode kernel widens it as it reads, the SDPA paths
@@ -69,7 +70,18 @@ class _StepPlan:
     prefill_lens: torch.Tensor  # [n] int64: its query length
     prefill_seq_ids: torch.Tensor  # [n] int64: prefill_seqs as a tensor
     prefill: list[_PrefillChunk] | None  # the SDPA path's plan, built on first use
-    short: _RowsAsDecode | None = None  # with `prefill`: its short chunks, when the decode kernel takes them
+    short: _RowsAsDecode | None = None  # after _split_prefill: the short chunks, when the decode kernel takes them
+    long: _Chunks | None = None  # ... and the rest, for the prefill kernel or SDPA
+
+
+@dataclass
+class _Chunks:
+    """Prefill chunks as the prefill kernel takes them."""
+
+    seqs: list[int]  # batch indices
+    starts: torch.Tensor  # [n] int64: each chunk's first token row
+    lens: torch.Tensor  # [n] int64: its query length
+    seq_ids: torch.Tensor  # [n] int64: seqs as a tensor
 
 
 @dataclass
@@ -85,12 +97,14 @@ class _RowsAsDecode:
     seq_lens: torch.Tensor  # [n] int32: the positions each row attends to
 
 
-# Without the prefill kernel (float32), a chunk of up to this many query rows
-# goes through the decode kernel row by row: a speculating sequence's
-# verification (1 + K rows) over a long context. SDPA, for those few
-# queries, first gathered the whole context's K and V out of the blocks in
-# every layer: a quarter of single-stream decode's time on a 2-core AVX2
-# Zen 3 when drafts were often verified.
+# Outside bfloat16, a chunk of up to this many query rows goes through the
+# decode kernel row by row: a speculating sequence's verification (1 + K
+# rows) over a long context. SDPA, for those few queries, first gathered the
+# whole context's K and V out of the blocks in every layer: a quarter of
+# single-stream decode's time on a 2-core AVX2 Zen 3 when drafts were often
+# verified. The prefill kernel would not gather, but its sums would differ
+# from the decode kernel's in the last bits, and a verified row should be
+# the decode row it replaces.
 SHORT_CHUNK_ROWS = 16
 
 
@@ -185,15 +199,14 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         return self._load_kernel(kind)
 
-    def _prefill_chunks(self, meta: AttentionMetadata, decode_kernel=None) -> list[_PrefillChunk]:
-        """The chunks for SDPA; given a `decode_kernel`, those of up to
-        SHORT_CHUNK_ROWS rows go to `plan.short` for it instead (decided
-        once a step, by the first layer)."""
+    def _split_prefill(self, meta: AttentionMetadata, decode_kernel) -> _Chunks:
+        """Given a `decode_kernel`, the chunks of up to SHORT_CHUNK_ROWS rows
+        go to `plan.short` for it; the rest are returned (decided once a
+        step, by the first layer)."""
         plan = self._plan
-        if plan.prefill is None:
-            block_tables = meta.block_tables.to(torch.int64)
+        if plan.long is None:
             starts = plan.prefill_starts.tolist()
-            plan.prefill, rows, seqs, lens = [], [], [], []
+            long_seqs, long_starts, rows, seqs, lens = [], [], [], [], []
             for i, start in zip(plan.prefill_seqs, starts, strict=True):
                 q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
                 if decode_kernel is not None and q_len <= SHORT_CHUNK_ROWS:
@@ -201,15 +214,33 @@ class TorchAttentionBackend(AttentionBackend):
                     seqs.extend([i] * q_len)
                     lens.extend(range(seq_len - q_len + 1, seq_len + 1))
                 else:
-                    plan.prefill.append(_plan_prefill(block_tables[i], start, q_len, seq_len, meta.block_size))
+                    long_seqs.append(i)
+                    long_starts.append(start)
+            device = meta.block_tables.device
             if rows:
-                device = meta.block_tables.device
                 plan.short = _RowsAsDecode(
                     kernel=decode_kernel,
                     rows=torch.tensor(rows, dtype=torch.int64, device=device),
                     seq_ids=torch.arange(len(rows), dtype=torch.int64, device=device),
                     block_tables=meta.block_tables.index_select(0, torch.tensor(seqs, device=device)).contiguous(),
                     seq_lens=torch.tensor(lens, dtype=torch.int32, device=device))
+            if len(long_seqs) == len(plan.prefill_seqs):
+                plan.long = _Chunks(plan.prefill_seqs, plan.prefill_starts, plan.prefill_lens, plan.prefill_seq_ids)
+            else:
+                long_lens = [meta.query_lens_host[i] for i in long_seqs]
+                plan.long = _Chunks(long_seqs, *(torch.tensor(v, dtype=torch.int64, device=device)
+                                                 for v in (long_starts, long_lens, long_seqs)))
+        return plan.long
+
+    def _prefill_chunks(self, meta: AttentionMetadata, chunks: _Chunks) -> list[_PrefillChunk]:
+        """The SDPA path's plan for `chunks`."""
+        plan = self._plan
+        if plan.prefill is None:
+            block_tables = meta.block_tables.to(torch.int64)
+            plan.prefill = [
+                _plan_prefill(block_tables[i], start, meta.query_lens_host[i], meta.seq_lens_host[i], meta.block_size)
+                for i, start in zip(chunks.seqs, chunks.starts.tolist(), strict=True)
+            ]
         return plan.prefill
 
     def _decode_buckets(self, meta: AttentionMetadata) -> list[_DecodeBucket]:
@@ -279,18 +310,21 @@ class TorchAttentionBackend(AttentionBackend):
                 self._decode_with_buckets(out, query, k_cache, v_cache, meta, scale)
         if plan.prefill_seqs:
             kernel = self._kernel_for("prefill", query, k_cache)
-            if kernel is not None:
-                cpu_prefill.paged_prefill_attention(
-                    kernel, out, query, k_cache, v_cache, plan.prefill_starts, plan.prefill_lens,
-                    plan.prefill_seq_ids, meta.block_tables, meta.seq_lens, scale, self._prefill_parallel_tiles)
+            if kernel is not None and query.dtype == torch.bfloat16:
+                chunks = _Chunks(plan.prefill_seqs, plan.prefill_starts, plan.prefill_lens, plan.prefill_seq_ids)
             else:
-                chunks = self._prefill_chunks(meta, self._kernel_for("decode", query, k_cache))
-                short = self._plan.short
+                chunks = self._split_prefill(meta, self._kernel_for("decode", query, k_cache))
+                short = plan.short
                 if short is not None:
                     cpu_decode.paged_decode_attention(
                         short.kernel, out, query, k_cache, v_cache, short.rows, short.seq_ids,
                         short.block_tables, short.seq_lens, scale, self._decode_parallel_positions)
-                self._prefill(out, query, key, value, k_cache, v_cache, chunks, scale)
+            if chunks.seqs and kernel is not None:
+                cpu_prefill.paged_prefill_attention(
+                    kernel, out, query, k_cache, v_cache, chunks.starts, chunks.lens, chunks.seq_ids,
+                    meta.block_tables, meta.seq_lens, scale, self._prefill_parallel_tiles)
+            elif chunks.seqs:
+                self._prefill(out, query, key, value, k_cache, v_cache, self._prefill_chunks(meta, chunks), scale)
         return out
 
     def _decode_with_buckets(self, out, query, k_cache, v_cache, meta, scale) -> None:

@@ -1,25 +1,36 @@
-// Paged causal attention for prefill chunks in bfloat16, on AVX512-BF16:
-// each chunk's queries over its context, read through the block table, in
-// one pass per block of queries (an online softmax, as in flash attention).
+// Paged causal attention for prefill chunks: each chunk's queries over its
+// context, read through the block table, in one pass per block of queries
+// (an online softmax, as in flash attention). Two builds of one scheme:
+// bfloat16 on AVX512-BF16, and float32 (over a float32 or float16 cache)
+// on any x86 with the host's own vector width.
 //
 // Why not torch's SDPA: its CPU flash kernel runs bfloat16 at about the
 // speed of float32 here (65 to 110 GFLOP/s on two Zen 5 cores, measured by
-// benchmarks/prefill_attention.py), and a chunk after a sequence's first
-// needs its K/V gathered from the blocks and a mask that makes it compute
-// the whole rectangle.
+// benchmarks/prefill_attention.py), its float32 causal path reached only
+// ~20 GFLOP/s on two Zen 3 cores, where float32 GEMM reaches ~160, and a
+// chunk after a sequence's first needs its K/V gathered from the blocks and
+// a mask that makes it compute the whole rectangle.
 //
-// The work is cut into items of 16 query positions of one query head. Lane
-// j of every vector is query j, so the softmax (max, rescale, sum) is lane
-// by lane and never reduces across a vector:
-// - scores, 16 keys (a tile) at a time: per key, vdpbf16ps of the queries'
-//   dim pairs (transposed once per item) with the key's dim pair broadcast
-//   straight from the cache row;
+// Lane j of every vector is query j, so the softmax (max, rescale, sum) is
+// lane by lane and never reduces across a vector. Keys go 16 (a tile) at a
+// time; keys past a query's position are masked, and tiles past the
+// block's last query are never read. Threads take items costliest first
+// from a shared counter.
+//
+// bfloat16: items of 16 query positions of one query head.
+// - scores: per key, vdpbf16ps of the queries' dim pairs (transposed once
+//   per item) with the key's dim pair broadcast straight from the cache row;
 // - values: per output dim, vdpbf16ps of the weights of two keys (rounded
 //   to bfloat16, as torch's bfloat16 attention rounds them) with those keys'
 //   values at that dim broadcast as a pair; the outputs live transposed
 //   (dim, query) and are transposed back once at the end.
-// Keys past a query's position are masked; tiles past the block's last query
-// are never read. Threads take items costliest first from a shared counter.
+//
+// float32: items of 16 query positions of every query head of one KV head,
+// so that a tile's K and V rows are widened (a float16 cache) or copied
+// once into a scratch tile for the whole group. Scores and values are
+// outer products, a few keys (or output dims) by the 16 queries at a time
+// in registers: per dim, the queries' vectors times one key's value at
+// that dim, broadcast.
 #include <immintrin.h>
 
 #include <atomic>
@@ -229,10 +240,271 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
 
 #endif  // __AVX512BF16__
 
+// ---- float32 ---------------------------------------------------------------
+
+// Lanes per vector: 8 on AVX2 (GCC keeps a 16-lane vector, which AVX2 has
+// no register for, in memory), else 16.
+#if defined(__AVX512F__)
+constexpr int kF = 16;
+#else
+constexpr int kF = 8;
+#endif
+typedef Lanes<kF>::f32 fv;
+typedef int32_t iv __attribute__((vector_size(kF * 4)));
+constexpr int kQV = kLanes / kF;  // vectors of 16 queries
+// Keys (scores) or output dims (values) per pass: with the 16 queries'
+// vectors, 8 accumulators in registers, and the queries' (or weights')
+// vectors and a broadcast beside them, within AVX2's 16 registers.
+constexpr int kKP = 8 / kQV;
+
+struct Scratch32 {  // per thread
+  int64_t group;
+  std::vector<float> qt;  // [group][dim][16]: the queries, transposed
+  std::vector<float> ot;  // [group][dim][16]: the weighted values so far, transposed
+  std::vector<fv> m, l;   // [group][kQV]: running max and sum, lane by lane
+  alignas(64) float kw[kLanes][kMaxDim];  // the tile's K rows of this KV head, as float32
+  alignas(64) float vw[kLanes][kMaxDim];  // ... and V rows; rows past the last visible key zero
+  alignas(64) float s[kLanes][kLanes];    // [key][query]: scores, then weights
+  alignas(64) float rows[kLanes][kMaxDim];  // the queries, or the outputs, a row each
+  Scratch32(int64_t group, int64_t dim)
+      : group(group), qt(group * dim * kLanes), ot(group * dim * kLanes), m(group * kQV), l(group * kQV) {}
+};
+
+inline fv load_fv(const float* p) { return load_lanes<kF>(p); }
+
+// x, held in a register: GCC would otherwise fold its load into each
+// multiply-add that uses it, one load per multiply-add, and with a
+// broadcast load per key (or dim) besides, the loads rather than the
+// multiply-adds set the pace (a 2-core Zen 3 ran the loops at two thirds of
+// its float32 rate).
+inline fv pinned(fv x) {
+  asm("" : "+v"(x));
+  return x;
+}
+inline void store_fv(float* p, fv v) { store_lanes<kF>(p, v); }
+
+// dst[c * dst_stride + r] = src[r * src_stride + c] for an 8 x 8 block: the
+// queries into their transposed layout and the outputs back. Lane by lane
+// in scalar code, these two cost a fifth as many instructions as an item's
+// multiply-adds over ~8 key tiles.
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+#if defined(__AVX__)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
+#endif
+}
+
+// count rows of a tile into dst as float32 (the rest of dst zero when `zero_rest`).
+template <int D, typename KV>
+inline void widen_rows(float (*dst)[kMaxDim], const KV* src, int64_t row_elems, int64_t count, bool zero_rest) {
+  for (int64_t k = 0; k < count; ++k)
+    for (int c = 0; c < D; c += kF) store_fv(dst[k] + c, load_lanes<kF>(src + k * row_elems + c));
+  if (zero_rest)
+    for (int64_t k = count; k < kLanes; ++k) std::memset(dst[k], 0, sizeof(float) * D);
+}
+
+// s[k][j] = q_j . k_k for the tile's 16 keys and the 16 queries of head g.
+template <int D>
+inline void scores32(Scratch32& sc, int64_t g) {
+  const float* qt = &sc.qt[g * D * kLanes];
+  for (int k0 = 0; k0 < kLanes; k0 += kKP) {
+    fv acc[kKP][kQV] = {};
+    for (int p = 0; p < D; ++p) {
+      fv q[kQV];
+      for (int v = 0; v < kQV; ++v) q[v] = pinned(load_fv(qt + p * kLanes + v * kF));
+      // A scalar operand broadcasts (vbroadcastss); `fv{} + x` would add the
+      // zero first (it is not x when x is -0).
+      for (int k = 0; k < kKP; ++k) {
+        const float b = sc.kw[k0 + k][p];
+        for (int v = 0; v < kQV; ++v) acc[k][v] += q[v] * b;
+      }
+    }
+    for (int k = 0; k < kKP; ++k)
+      for (int v = 0; v < kQV; ++v) store_fv(sc.s[k0 + k] + v * kF, acc[k][v]);
+  }
+}
+
+// ot[d][j] = ot[d][j] * alpha[j] + sum_k s[k][j] * v_k[d] for head g.
+template <int D>
+inline void values32(Scratch32& sc, int64_t g, const fv* alpha) {
+  float* ot = &sc.ot[g * D * kLanes];
+  for (int d0 = 0; d0 < D; d0 += kKP) {
+    fv acc[kKP][kQV];
+    for (int i = 0; i < kKP; ++i)
+      for (int v = 0; v < kQV; ++v) acc[i][v] = load_fv(ot + (d0 + i) * kLanes + v * kF) * alpha[v];
+    for (int k = 0; k < kLanes; ++k) {
+      fv w[kQV];
+      for (int v = 0; v < kQV; ++v) w[v] = pinned(load_fv(sc.s[k] + v * kF));
+      for (int i = 0; i < kKP; ++i) {
+        const float b = sc.vw[k][d0 + i];
+        for (int v = 0; v < kQV; ++v) acc[i][v] += w[v] * b;
+      }
+    }
+    for (int i = 0; i < kKP; ++i)
+      for (int v = 0; v < kQV; ++v) store_fv(ot + (d0 + i) * kLanes + v * kF, acc[i][v]);
+  }
+}
+
+// The online softmax over head g's scores of the tile (keys key0 ..), lane
+// by lane, as softmax_tile above: leaves the weights in s and sets alpha,
+// the factor that rescales the weighted values so far.
+inline void softmax32(Scratch32& sc, int64_t g, int64_t key0, bool masked, const iv* qpos, float scale, bool first,
+                      fv* alpha) {
+  for (int v = 0; v < kQV; ++v) {
+    fv& m = sc.m[g * kQV + v];
+    fv& l = sc.l[g * kQV + v];
+    fv s[kLanes];
+    iv ok[kLanes];
+    fv tile_max = fv{} + kNegInf;
+    for (int k = 0; k < kLanes; ++k) {
+      ok[k] = masked ? (iv{} + static_cast<int32_t>(key0 + k)) <= qpos[v] : iv{} - 1;
+      s[k] = ok[k] ? load_fv(sc.s[k] + v * kF) * scale : fv{} + kNegInf;
+      tile_max = tile_max > s[k] ? tile_max : s[k];
+    }
+    // Tile 0 holds key 0, which every query sees, so m is finite from then on.
+    const fv m_new = m > tile_max ? m : tile_max;
+    alpha[v] = first ? fv{} : exp_lanes<fv, iv>(m - m_new);
+    l *= alpha[v];
+    for (int k = 0; k < kLanes; ++k) {
+      const fv p = ok[k] ? exp_lanes<fv, iv>(s[k] - m_new) : fv{};  // a masked -inf must weigh exactly 0
+      store_fv(sc.s[k] + v * kF, p);
+      l += p;
+    }
+    m = m_new;
+  }
+}
+
+template <typename KV>
+struct Step32 {  // the call's tensors: queries and outputs [T, heads, D], caches [blocks, bs, kv heads, D]
+  const float* query;
+  const KV *k_cache, *v_cache;
+  float* out;
+  int64_t q_stride0, q_stride1, o_stride0, o_stride1;
+  int64_t group;  // query heads per KV head
+  float scale;
+};
+
+// One item: queries first .. first + 16 of a chunk, every query head of KV head it.head.
+template <int D, typename KV>
+void run_item32(const Item& it, const Chunks& ch, const Step32<KV>& st, Scratch32& sc) {
+  const int64_t len = ch.lens[it.chunk], s = ch.seq_ids[it.chunk];
+  const int64_t seq_len = ch.seq_lens[s], nq = std::min<int64_t>(kLanes, len - it.first);
+  const int64_t pos0 = seq_len - len + it.first, last = pos0 + nq - 1;  // positions of the first and last query
+  const int64_t row0 = ch.starts[it.chunk] + it.first, group = st.group;
+  std::fill(sc.ot.begin(), sc.ot.begin() + group * D * kLanes, 0.f);
+  for (int64_t j = nq; j < kLanes; ++j) std::memset(sc.rows[j], 0, sizeof(float) * D);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = it.head * group + g;
+    for (int64_t j = 0; j < nq; ++j)
+      std::memcpy(sc.rows[j], st.query + (row0 + j) * st.q_stride0 + h * st.q_stride1, sizeof(float) * D);
+    float* qt = &sc.qt[g * D * kLanes];
+    for (int j0 = 0; j0 < kLanes; j0 += 8)
+      for (int p0 = 0; p0 < D; p0 += 8) transpose8(&sc.rows[j0][p0], kMaxDim, qt + p0 * kLanes + j0, kLanes);
+    for (int v = 0; v < kQV; ++v) {
+      sc.m[g * kQV + v] = fv{} + kNegInf;
+      sc.l[g * kQV + v] = fv{};
+    }
+  }
+  const int64_t row_elems = ch.num_kv_heads * D, kv_off = it.head * D;
+  const int32_t* table = ch.block_tables + s * ch.table_stride;
+  iv qpos[kQV];  // past nq, the last query again, so no lane is all masked
+  for (int v = 0; v < kQV; ++v)
+    for (int j = 0; j < kF; ++j) qpos[v][j] = static_cast<int32_t>(std::min(pos0 + v * kF + j, last));
+  fv alpha[kQV];
+  for (int64_t t = 0; t < it.tiles; ++t) {
+    const int64_t key0 = t * kLanes;
+    const int64_t slot = static_cast<int64_t>(table[key0 / ch.block_size]) * ch.block_size + key0 % ch.block_size;
+    const int64_t nk = std::min<int64_t>(kLanes, last + 1 - key0);  // keys any query of the item sees
+    widen_rows<D>(sc.kw, st.k_cache + slot * row_elems + kv_off, row_elems, nk, false);
+    // V rows past nk are zeroed, not read: they may be another sequence's stale values, NaN included.
+    widen_rows<D>(sc.vw, st.v_cache + slot * row_elems + kv_off, row_elems, nk, true);
+    const bool masked = key0 + kLanes - 1 > pos0;
+    for (int64_t g = 0; g < group; ++g) {
+      scores32<D>(sc, g);
+      softmax32(sc, g, key0, masked, qpos, st.scale, t == 0, alpha);
+      values32<D>(sc, g, alpha);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    fv inv_l[kQV];
+    for (int v = 0; v < kQV; ++v) inv_l[v] = 1.f / sc.l[g * kQV + v];
+    float* ot = &sc.ot[g * D * kLanes];
+    for (int d = 0; d < D; ++d)
+      for (int v = 0; v < kQV; ++v) store_fv(ot + d * kLanes + v * kF, load_fv(ot + d * kLanes + v * kF) * inv_l[v]);
+    for (int p0 = 0; p0 < D; p0 += 8)
+      for (int j0 = 0; j0 < kLanes; j0 += 8) transpose8(ot + p0 * kLanes + j0, kLanes, &sc.rows[j0][p0], kMaxDim);
+    for (int64_t j = 0; j < nq; ++j)
+      std::memcpy(st.out + (row0 + j) * st.o_stride0 + (it.head * group + g) * st.o_stride1, sc.rows[j],
+                  sizeof(float) * D);
+  }
+}
+
+template <int D, typename KV>
+void attention_impl32(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const Chunks& ch, int64_t n, float scale, bool serial) {
+  const int64_t group = query.size(1) / ch.num_kv_heads;
+  std::vector<Item> items;
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t len = ch.lens[c], ctx = ch.seq_lens[ch.seq_ids[c]] - len;
+    for (int64_t first = 0; first < len; first += kLanes) {
+      const int64_t last = ctx + std::min(len, first + kLanes) - 1;
+      for (int64_t h = 0; h < ch.num_kv_heads; ++h) items.push_back({c, h, first, last / kLanes + 1});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tiles > b.tiles; });
+  const Step32<KV> st{query.data_ptr<float>(),
+                      reinterpret_cast<const KV*>(k_cache.data_ptr()),
+                      reinterpret_cast<const KV*>(v_cache.data_ptr()),
+                      out.data_ptr<float>(),
+                      query.stride(0), query.stride(1), out.stride(0), out.stride(1), group, scale};
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    Scratch32 sc(group, D);
+    for (int64_t w; (w = next.fetch_add(1)) < num_items;) run_item32<D, KV>(items[w], ch, st, sc);
+  };
+  if (serial || num_items == 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, worker);
+  }
+}
+
+template <typename KV>
+void dispatch32(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                const torch::Tensor& v_cache, const Chunks& ch, int64_t n, float scale, bool serial) {
+  switch (ch.head_dim) {
+    case 64: attention_impl32<64, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
+    case 128: attention_impl32<128, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
+    case 32: attention_impl32<32, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
+    case 96: attention_impl32<96, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
+    case 256: attention_impl32<256, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
+    default: TORCH_CHECK(false, "prefill_attention: head_dim ", ch.head_dim, " has no build");
+  }
+}
+
 }  // namespace
 
-// Whether this build has the kernel: it needs AVX512-BF16 on the build host.
-bool available() {
+// Whether this build takes bfloat16: it needs AVX512-BF16 on the build host.
+// float32 builds everywhere.
+bool has_bfloat16() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -243,12 +515,12 @@ bool available() {
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor starts, torch::Tensor lens, torch::Tensor seq_ids, torch::Tensor block_tables,
                        torch::Tensor seq_lens, double scale, int64_t parallel_tiles) {
-#if defined(__AVX512BF16__)
   const Chunks ch{starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), seq_ids.data_ptr<int64_t>(),
                   block_tables.data_ptr<int32_t>(), block_tables.stride(0), seq_lens.data_ptr<int32_t>(),
                   k_cache.size(1), k_cache.size(2), k_cache.size(3)};
   const int64_t n = starts.size(0);
   if (n == 0) return;
+  TORCH_CHECK(ch.head_dim <= kMaxDim, "prefill_attention: head_dim ", ch.head_dim, " has no build");
   // Key tiles over all items of all chunks: under `parallel_tiles`, one thread.
   int64_t tiles = 0;
   for (int64_t c = 0; c < n; ++c) {
@@ -256,6 +528,22 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_c
     tiles += len * (ctx + len / 2) / (kLanes * kLanes) + 1;
   }
   const bool serial = tiles * query.size(1) < parallel_tiles;
+  // The pairs dispatched below, and nothing else: a cache read as the wrong
+  // type would be read past its end.
+  const auto q = query.scalar_type(), c = k_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == q && v_cache.scalar_type() == c &&
+                  ((q == at::kFloat && (c == at::kFloat || c == at::kHalf)) ||
+                   (q == at::kBFloat16 && c == at::kBFloat16)),
+              "prefill_attention: unsupported query/cache dtypes ", q, "/", c);
+  if (q == at::kFloat) {
+    if (c == at::kHalf) {
+      dispatch32<c10::Half>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
+    } else {
+      dispatch32<float>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
+    }
+    return;
+  }
+#if defined(__AVX512BF16__)
   switch (ch.head_dim) {
     case 64: attention_impl<64>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
     case 128: attention_impl<128>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
@@ -265,11 +553,11 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_c
     default: TORCH_CHECK(false, "prefill_attention: head_dim ", ch.head_dim, " has no build");
   }
 #else
-  TORCH_CHECK(false, "prefill_attention needs AVX512-BF16");
+  TORCH_CHECK(false, "prefill_attention: bfloat16 needs AVX512-BF16");
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the kernel");
+  m.def("has_bfloat16", &has_bfloat16, "whether this build takes bfloat16 (AVX512-BF16)");
   m.def("prefill_attention", torch::wrap_pybind_function(prefill_attention), "prefill_attention");
 }

@@ -1,7 +1,10 @@
-"""The C++ CPU prefill kernel (bfloat16, AVX512-BF16) against the naive
-float64 reference: first chunks and chunks over a cached prefix, chunks
-that end mid-tile, borrowed prefix blocks, every head shape it builds, and
-stale NaNs in the cache past a chunk's end that must not leak in."""
+"""The C++ CPU prefill kernel against the naive float64 reference, in
+each pairing it builds (float32 over a float32 or float16 cache anywhere,
+bfloat16 with AVX512-BF16): first chunks and chunks over a cached prefix,
+chunks that end mid-tile, borrowed prefix blocks, every head shape it
+builds, and stale NaNs in the cache past a chunk's end that must not leak
+in. The float32 cases turn the decode kernel off, so that chunks of up to
+SHORT_CHUNK_ROWS rows, which it would take, reach this kernel too."""
 
 import pytest
 import torch
@@ -15,49 +18,65 @@ PREFILL_HEAVY = ["prefill_no_prefix", "prefill_over_prefix", "mixed", "skew_7_lo
 # (seq_len, query_len): one-token-past-a-tile chunks, a chunk of 17 (two
 # query blocks, the second of one row), and long chunks over long prefixes.
 LONG_PREFILLS = [(17, 17), (40, 17), (300, 300), (530, 211), (16, 16), (33, 1), (95, 2), (700, 64)]
+# (query dtype, cache dtype)
+PAIRINGS = {"fp32": (torch.float32, torch.float32), "fp32-f16cache": (torch.float32, torch.float16),
+            "bf16": (torch.bfloat16, torch.bfloat16)}
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    return built_or_skip(cpu_prefill.load_kernel, "CPU prefill kernel (it needs AVX512-BF16)")
+    return built_or_skip(cpu_prefill.load_kernel, "CPU prefill kernel")
+
+
+@pytest.fixture(params=list(PAIRINGS))
+def dtypes(request, kernel):
+    """A pairing the kernel takes on this host: bfloat16 needs AVX512-BF16."""
+    if request.param == "bf16" and not kernel.has_bfloat16():
+        pytest.skip("the CPU prefill kernel takes bfloat16 only with AVX512-BF16")
+    return PAIRINGS[request.param]
 
 
 def _kernel_backend() -> TorchAttentionBackend:
-    return TorchAttentionBackend(prefill_kernel=True)
+    return TorchAttentionBackend(prefill_kernel=True, decode_kernel=False)
+
+
+def _case(seqs, dtypes, **kwargs):
+    dtype, cache_dtype = dtypes
+    return make_case(seqs, dtype=dtype, cache_dtype=cache_dtype, **kwargs)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("scenario", PREFILL_HEAVY)
-def test_scenarios_match_the_reference(kernel, scenario, block_size):
-    case = make_case(SCENARIOS[scenario], block_size=block_size, dtype=torch.bfloat16, head_dim=64,
-                     num_heads=6, num_kv_heads=2, seed=block_size)
+def test_scenarios_match_the_reference(dtypes, scenario, block_size):
+    case = _case(SCENARIOS[scenario], dtypes, block_size=block_size, head_dim=64, num_heads=6, num_kv_heads=2,
+                 seed=block_size)
     check_backend(_kernel_backend(), case)
 
 
 @pytest.mark.parametrize("head_dim", cpu_prefill.HEAD_DIMS)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads", [(3, 3), (9, 3), (8, 2), (16, 1)], ids=["mha", "smollm", "gqa4", "mqa16"])
-def test_head_shapes(kernel, num_heads, num_kv_heads, head_dim):
+def test_head_shapes(dtypes, num_heads, num_kv_heads, head_dim):
     seqs = LONG_PREFILLS if head_dim <= 64 else LONG_PREFILLS[:5]
-    case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     block_size=16, dtype=torch.bfloat16, seed=head_dim)
+    case = _case(seqs, dtypes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+                 seed=head_dim)
     check_backend(_kernel_backend(), case)
 
 
-def test_shared_prefix_blocks(kernel):
+def test_shared_prefix_blocks(dtypes):
     """A chunk reads prefix blocks another sequence filled, one in this very step."""
-    case = make_case([(48, 48), (60, 12), (64, 40)], shared=((1, 0, 3), (2, 0, 1)), block_size=16,
-                     num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, seed=7)
+    case = _case([(48, 48), (60, 12), (64, 40)], dtypes, shared=((1, 0, 3), (2, 0, 1)), block_size=16,
+                 num_heads=9, num_kv_heads=3, head_dim=64, seed=7)
     check_backend(_kernel_backend(), case)
 
 
-def test_stale_nan_past_the_context_stays_out(kernel):
+def test_stale_nan_past_the_context_stays_out(dtypes):
     """Slots of a chunk's last block past its end hold whatever an earlier
     sequence left there; the kernel reads them (a whole tile) but must weigh
     them by exactly zero, even when they are NaN: the output is bit for bit
     the one over finite garbage, which matches the reference."""
-    case = make_case([(21, 21), (40, 13), (7, 7)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                     dtype=torch.bfloat16, seed=8)
+    case = _case([(21, 21), (40, 13), (7, 7)], dtypes, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                 seed=8)
     check_backend(_kernel_backend(), case)
     written = torch.zeros(case.k_cache.shape[0] * 16, dtype=torch.bool)
     for table, seq_len in zip(case.block_tables, case.meta.seq_lens_host, strict=True):
@@ -75,43 +94,45 @@ def test_stale_nan_past_the_context_stays_out(kernel):
 
 
 @pytest.mark.parametrize("parallel_tiles", [0, 10**9], ids=["parallel", "serial"])
-def test_calls_on_one_thread_or_both_match_the_reference(kernel, monkeypatch, parallel_tiles):
+def test_calls_on_one_thread_or_both_match_the_reference(dtypes, monkeypatch, parallel_tiles):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setattr(cpu_prefill, "PARALLEL_TILES_WHEN_THREADS_SLEEP", parallel_tiles)
-    case = make_case(LONG_PREFILLS, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                     dtype=torch.bfloat16, seed=9)
+    case = _case(LONG_PREFILLS, dtypes, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=9)
     check_backend(_kernel_backend(), case)
 
 
-def test_kernel_and_sdpa_agree_on_smollm_shapes(kernel):
-    """Kernel and the SDPA twin on the same bfloat16 batch: the same
-    rounding of the weights, so closer to each other than to float64."""
-    case = make_case(LONG_PREFILLS, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                     dtype=torch.bfloat16, seed=4)
+def test_kernel_and_sdpa_agree_on_smollm_shapes(dtypes):
+    """Kernel and the SDPA twin on the same batch (in bfloat16, the same
+    rounding of the weights, so closer to each other than to float64)."""
+    case = _case(LONG_PREFILLS, dtypes, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=4)
     outs = []
-    for backend in (_kernel_backend(), TorchAttentionBackend(prefill_kernel=False)):
+    for backend in (_kernel_backend(), TorchAttentionBackend(prefill_kernel=False, decode_kernel=False)):
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
         outs.append(backend.forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, 0.125))
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=1.6e-2, rtol=1.6e-2)
+    tol = 1.6e-2 if dtypes[0] == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
 
 
-def test_non_contiguous_query_rows(kernel):
+def test_non_contiguous_query_rows(dtypes):
     """The model hands over query as a view of its fused q/k projection."""
-    case = make_case(SCENARIOS["mixed"], num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=5)
-    fused = torch.cat([case.query, torch.zeros(case.query.shape[0], 2, 64, dtype=torch.bfloat16)], dim=1)
+    case = _case(SCENARIOS["mixed"], dtypes, num_heads=6, num_kv_heads=2, head_dim=64, seed=5)
+    fused = torch.cat([case.query, torch.zeros(case.query.shape[0], 2, 64, dtype=case.query.dtype)], dim=1)
     case.query = fused[:, :6]
     assert not case.query.is_contiguous()
     check_backend(_kernel_backend(), case)
 
 
-def test_what_it_does_not_cover_goes_to_sdpa():
-    """float32, head_dim 48 and blocks of 8 positions take the SDPA path,
-    and requiring the kernel for them is an error."""
+def test_what_it_does_not_cover_goes_to_sdpa(kernel):
+    """float16 queries, head_dim 48, blocks of 8 positions, and bfloat16
+    without AVX512-BF16 take the SDPA path, and requiring the kernel for
+    them is an error."""
     cases = [
-        make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, seed=1),
-        make_case(SCENARIOS["prefill_over_prefix"], head_dim=48, dtype=torch.bfloat16, seed=2),
-        make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, block_size=8, dtype=torch.bfloat16, seed=3),
+        make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, dtype=torch.float16, seed=1),
+        make_case(SCENARIOS["prefill_over_prefix"], head_dim=48, seed=2),
+        make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, block_size=8, seed=3),
     ]
+    if not kernel.has_bfloat16():
+        cases.append(make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, dtype=torch.bfloat16, seed=4))
     for case in cases:
         assert not cpu_prefill.supports(case.query, case.k_cache)
         check_backend(TorchAttentionBackend(), case)
@@ -120,12 +141,40 @@ def test_what_it_does_not_cover_goes_to_sdpa():
                 case.query, case.key, case.value, case.k_cache.clone(), case.v_cache.clone(), case.meta, 0.2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "f16cache"])
+def test_float32_short_chunks_stay_on_the_decode_kernel(kernel, cache_dtype):
+    """Chunks of up to SHORT_CHUNK_ROWS rows (a speculating sequence's
+    verification) go row by row to the decode kernel, as decode rows would,
+    whichever path takes the long ones: their rows are bit for bit the same
+    with this kernel on or off, and the long chunks' rows agree closely."""
+    from engine.attention import cpu_decode
+    from engine.attention.torch_backend import SHORT_CHUNK_ROWS
+
+    built_or_skip(cpu_decode.load_kernel, "CPU decode kernel")
+    seqs = [(300, SHORT_CHUNK_ROWS), (120, 120), (95, 5), (530, 211), (40, 1)]
+    case = make_case(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, cache_dtype=cache_dtype, seed=11)
+    check_backend(TorchAttentionBackend(), case)
+    outs = []
+    for prefill_kernel in (True, False):
+        backend = TorchAttentionBackend(prefill_kernel=prefill_kernel, decode_kernel=True)
+        outs.append(backend.forward(case.query, case.key, case.value, case.k_cache.clone(), case.v_cache.clone(),
+                                    case.meta, 0.125))
+    starts = [0, *torch.tensor(case.meta.query_lens_host).cumsum(0).tolist()]
+    short = torch.zeros(case.query.shape[0], dtype=torch.bool)
+    for i, q_len in enumerate(case.meta.query_lens_host):
+        if q_len <= SHORT_CHUNK_ROWS:
+            short[starts[i] : starts[i] + q_len] = True
+    assert torch.equal(outs[0][short], outs[1][short])
+    assert not torch.equal(outs[0][~short], outs[1][~short])  # the long chunks did take the other path
+    torch.testing.assert_close(outs[0][~short], outs[1][~short], atol=1e-5, rtol=1e-5)
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(cpu_prefill.ENV_SWITCH, "0")
     assert cpu_prefill.load_kernel() is None
     backend = TorchAttentionBackend()
     assert backend.load_prefill_kernel() is False
-    check_backend(backend, make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, dtype=torch.bfloat16, seed=3))
+    check_backend(backend, make_case(SCENARIOS["prefill_over_prefix"], head_dim=64, seed=3))
     with pytest.raises(RuntimeError, match="could not be built or this CPU lacks it"):
         TorchAttentionBackend(prefill_kernel=True).load_prefill_kernel()
 
