@@ -1,11 +1,11 @@
 """Paged prefill attention on the CPU: a small C++ kernel, compiled on
-first use, in float32 (over a float32 or float16 cache) on any x86 host and
-in bfloat16 on hosts with AVX512-BF16.
+first use, in float32 (over a float32 or float16 cache) on x86 hosts with
+AVX2 or AVX-512 and in bfloat16 on hosts with AVX512-BF16.
 
 At high concurrency most of a CPU step is prompt work, and its attention
 ran in torch's SDPA: on two Zen 5 cores its flash kernel takes bfloat16 at
 about float32's speed (65 to 110 GFLOP/s), on two Zen 3 cores its float32
-causal path reached ~20 GFLOP/s (a fifth of what float32 GEMM gets there),
+causal path reached 7 to 59 GFLOP/s (float32 GEMM gets ~120-160 there),
 and a chunk after a sequence's first also needs its K/V gathered out of the
 blocks and a mask that makes SDPA compute the whole rectangle of queries by
 keys. This kernel reads the blocks in place and skips the keys a query

@@ -16,11 +16,11 @@ Per step, `prepare` groups the batch once:
   the blocks in place; without it, they run one SDPA each: over this
   step's own K/V with `is_causal` when the chunk is the whole context, else
   over the gathered blocks with a bottom-right-aligned causal mask (the
-  query is the last `query_len` of `seq_len` positions). Outside bfloat16,
-  a chunk of up to SHORT_CHUNK_ROWS rows (a speculating sequence's
-  verification) goes to the decode kernel instead, each row as a decode row
-  over the positions it may see, so that its rows are computed as the
-  decode rows they stand in for.
+  query is the last `query_len` of `seq_len` positions). Except in
+  bfloat16 with the prefill kernel, a chunk of up to SHORT_CHUNK_ROWS rows
+  (a speculating sequence's verification) goes to the decode kernel
+  instead, each row as a decode row over the positions it may see, so that
+  its rows are computed as the decode rows they stand in for.
 
 A float32 model's cache may hold float16 (`kv_cache_dtype`,
 engine/config.py): the decode kernel widens it as it reads, the SDPA paths
@@ -97,14 +97,16 @@ class _RowsAsDecode:
     seq_lens: torch.Tensor  # [n] int32: the positions each row attends to
 
 
-# Outside bfloat16, a chunk of up to this many query rows goes through the
-# decode kernel row by row: a speculating sequence's verification (1 + K
-# rows) over a long context. SDPA, for those few queries, first gathered the
-# whole context's K and V out of the blocks in every layer: a quarter of
-# single-stream decode's time on a 2-core AVX2 Zen 3 when drafts were often
-# verified. The prefill kernel would not gather, but its sums would differ
-# from the decode kernel's in the last bits, and a verified row should be
-# the decode row it replaces.
+# Except in bfloat16 with the prefill kernel, a chunk of up to this many
+# query rows goes through the decode kernel row by row: a speculating
+# sequence's verification (1 + K rows) over a long context. SDPA, for those
+# few queries, first gathered the whole context's K and V out of the blocks
+# in every layer: a quarter of single-stream decode's time on a 2-core AVX2
+# Zen 3 when drafts were often verified. The float32 prefill kernel would
+# not gather, but its sums would differ from the decode kernel's in the last
+# bits, and a verified row should be the decode row it replaces. (The
+# bfloat16 kernel takes them, as it did before the float32 one existed; its
+# verified rows match decode rows to bfloat16 rounding, not bit for bit.)
 SHORT_CHUNK_ROWS = 16
 
 

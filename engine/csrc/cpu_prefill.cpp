@@ -2,12 +2,12 @@
 // context, read through the block table, in one pass per block of queries
 // (an online softmax, as in flash attention). Two builds of one scheme:
 // bfloat16 on AVX512-BF16, and float32 (over a float32 or float16 cache)
-// on any x86 with the host's own vector width.
+// on x86 hosts with AVX2 or AVX-512, at the host's own vector width.
 //
 // Why not torch's SDPA: its CPU flash kernel runs bfloat16 at about the
 // speed of float32 here (65 to 110 GFLOP/s on two Zen 5 cores, measured by
-// benchmarks/prefill_attention.py), its float32 causal path reached only
-// ~20 GFLOP/s on two Zen 3 cores, where float32 GEMM reaches ~160, and a
+// benchmarks/prefill_attention.py), its float32 causal path reached 7 to 59
+// GFLOP/s on two Zen 3 cores, where float32 GEMM reaches ~120-160, and a
 // chunk after a sequence's first needs its K/V gathered from the blocks and
 // a mask that makes it compute the whole rectangle.
 //
@@ -266,8 +266,16 @@ struct Scratch32 {  // per thread
   alignas(64) float vw[kLanes][kMaxDim];  // ... and V rows; rows past the last visible key zero
   alignas(64) float s[kLanes][kLanes];    // [key][query]: scores, then weights
   alignas(64) float rows[kLanes][kMaxDim];  // the queries, or the outputs, a row each
+  // The tiles start zeroed: a K row past a tile's visible keys is never
+  // widened, and its scores, masked, should not come from indeterminate
+  // (perhaps denormal, so slow) scratch.
   Scratch32(int64_t group, int64_t dim)
-      : group(group), qt(group * dim * kLanes), ot(group * dim * kLanes), m(group * kQV), l(group * kQV) {}
+      : group(group), qt(group * dim * kLanes), ot(group * dim * kLanes), m(group * kQV), l(group * kQV) {
+    std::memset(kw, 0, sizeof kw);
+    std::memset(vw, 0, sizeof vw);
+    std::memset(s, 0, sizeof s);
+    std::memset(rows, 0, sizeof rows);
+  }
 };
 
 inline fv load_fv(const float* p) { return load_lanes<kF>(p); }
@@ -278,7 +286,9 @@ inline fv load_fv(const float* p) { return load_lanes<kF>(p); }
 // multiply-adds set the pace (a 2-core Zen 3 ran the loops at two thirds of
 // its float32 rate).
 inline fv pinned(fv x) {
+#if defined(__AVX__)
   asm("" : "+v"(x));
+#endif
   return x;
 }
 inline void store_fv(float* p, fv v) { store_lanes<kF>(p, v); }
