@@ -569,5 +569,9 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bfloat16", &has_bfloat16, "whether this build takes bfloat16 (AVX512-BF16)");
-  m.def("prefill_attention", torch::wrap_pybind_function(prefill_attention), "prefill_attention");
+  // Without the GIL, as torch's own ops run: a step's prompt attention takes
+  // tens of milliseconds a layer, and an embedded engine shares the process
+  // with the gateway's event loop (holding it, /health waited 0.66 s under
+  // load in tests/gateway/test_openai_errors.py).
+  m.def("prefill_attention", torch::wrap_pybind_function_no_gil(prefill_attention), "prefill_attention");
 }
