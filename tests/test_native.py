@@ -187,3 +187,89 @@ def test_the_cache_key_follows_the_toolchain(tmp_path, monkeypatch):
     key = native.cache_key(source)
     monkeypatch.setattr(native, "toolchain_paths", lambda: "/elsewhere/.venv/lib/python3.11/site-packages/torch/include")
     assert native.cache_key(source) != key
+
+
+def _other_threads_ran_during(call, tries: int = 20) -> bool:
+    """Whether another Python thread ran while `call` did. The switch
+    interval is set far past the test, so the calling thread gives the GIL
+    up only where something releases it; the other thread counts, then
+    hands the GIL straight back (time.sleep(0) releases it)."""
+    import sys
+    import time
+
+    count, stop = [0], threading.Event()
+
+    def counter():
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    thread = threading.Thread(target=counter, daemon=True)
+    thread.start()
+    try:
+        for _ in range(tries):
+            before = count[0]
+            call()
+            if count[0] != before:
+                return True
+        return False
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+
+
+def _kernel_calls() -> dict:
+    """One call of each kind, a millisecond or more of work, by the Python
+    wrappers the engine uses."""
+    import torch
+
+    from engine.model import cpu_elementwise, quant_linear
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2048, generator=gen)
+    weight = torch.randn(4096, 2048, generator=gen)
+    q41 = quant_linear.quantize_q4_1(weight)
+    out = torch.empty(8, 4096)
+    wide = torch.randn(2048, 4096, generator=gen)
+    return {
+        "q4_1_linear": lambda k: q41.run_kernel(k, x, None, out),
+        "skinny_linear": lambda k: k.skinny_linear(x, weight, None, out),
+        "rms_norm": lambda k: cpu_elementwise.rms_norm(k, wide, torch.ones(4096), 1e-6),
+        "silu_mul": lambda k: cpu_elementwise.silu_mul(k, wide),
+    }
+
+
+@pytest.mark.parametrize("name", ["q4_1_linear", "skinny_linear", "rms_norm", "silu_mul"])
+def test_a_kernel_call_lets_other_python_threads_run(name):
+    """The kernels run without the GIL, as torch's own ops do: a worker's
+    I/O thread (heartbeats, outputs) and an embedded engine's event loop
+    keep running beside a step's kernels."""
+    from engine.model import cpu_elementwise, quant_linear
+
+    loaders = {"q4_1_linear": quant_linear.load_kernel, "skinny_linear": cpu_linear.load_kernel,
+               "rms_norm": cpu_elementwise.load_kernel, "silu_mul": cpu_elementwise.load_kernel}
+    kernel = loaders[name]()
+    if kernel is None:
+        pytest.skip("the kernel cannot be built here")
+    call = _kernel_calls()[name]
+    assert _other_threads_ran_during(lambda: call(kernel))
+
+
+# A binding of a function that takes tensors, and the GIL-free forms.
+BINDING = re.compile(r'm\.def\("(\w+)",\s*([^;]*?)\);', re.DOTALL)
+GIL_FREE = ("wrap_pybind_function_no_gil(", "no_gil")
+
+
+def test_every_kernel_binding_releases_the_gil():
+    """The same rule for every kernel, including those the test above does
+    not call: each binding of a function that takes tensors is GIL-free."""
+    held = []
+    for path in sorted(p for package in KERNEL_PACKAGES for p in (ROOT / package).rglob("csrc/*.cpp")):
+        for name, rest in BINDING.findall(path.read_text()):
+            takes_tensors = re.search(rf"\b{name}\s*\([^)]*torch::Tensor", path.read_text()) is not None
+            if takes_tensors and not any(form in rest for form in GIL_FREE):
+                held.append(f"{path.name}: {name}")
+    assert held == []

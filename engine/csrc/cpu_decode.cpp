@@ -479,5 +479,6 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_ca
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", torch::wrap_pybind_function(decode_attention), "decode_attention");
+  // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
+  m.def("decode_attention", torch::wrap_pybind_function_no_gil(decode_attention), "decode_attention");
 }

@@ -301,8 +301,10 @@ bool silu_mul(torch::Tensor x, torch::Tensor out, c10::optional<torch::Tensor> t
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("rms_norm", &rms_norm, "rms_norm", py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
-        py::arg("out"), py::arg("serial_values"));
-  m.def("rotary", &rotary, "rotary");
-  m.def("silu_mul", &silu_mul, "silu_mul");
+        py::arg("out"), py::arg("serial_values"), no_gil);
+  m.def("rotary", &rotary, "rotary", no_gil);
+  m.def("silu_mul", &silu_mul, "silu_mul", no_gil);
 }

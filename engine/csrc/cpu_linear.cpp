@@ -53,5 +53,6 @@ bool skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::op
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", torch::wrap_pybind_function(skinny_linear), "skinny_linear");
+  // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
+  m.def("skinny_linear", torch::wrap_pybind_function_no_gil(skinny_linear), "skinny_linear");
 }

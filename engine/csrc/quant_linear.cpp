@@ -15,12 +15,15 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <limits>
 #include <type_traits>
 
 namespace {
 
 constexpr int64_t kRowTile = 16;   // weight rows per tile, as engine/csrc/cpu_linear.cpp
 constexpr int64_t kMinRows = 128;  // weight rows per thread: less is not worth a thread's wake-up
+// `min_rows` for a call that stays on the calling thread: more rows than any weight has.
+constexpr int64_t kOneThread = std::numeric_limits<int64_t>::max();
 constexpr int64_t kBlock = 32;     // q4_1 weights per (d, m) pair; K is a multiple of it for both formats
 
 // One register of float32 lanes: 16 with AVX-512 (32 registers), else 8 (an
@@ -313,13 +316,13 @@ inline void zero_all(__m256 (&acc)[JB][KT]) {
 }
 
 // Calls dots(n0, nr, scales) for each 16-row tile of the n weight rows, over
-// the threads, with the tile's scales in float32 (tile_scales), then adds
-// the bias to the tile's outputs.
+// the threads (at least min_rows weight rows each), with the tile's scales in
+// float32 (tile_scales), then adds the bias to the tile's outputs.
 template <typename Rows, typename Dots>
 void each_scaled_tile(const Rows& rows, int64_t n, int64_t k, int64_t m, const float* bias, float* out,
-                      int64_t out_stride, Dots dots) {
+                      int64_t out_stride, int64_t min_rows, Dots dots) {
   const int64_t blocks = k / kBlock, tiles = (n + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, min_rows / kRowTile, [&](int64_t begin, int64_t end) {
     std::vector<float> scales(kRowTile * blocks * Rows::kScales);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
@@ -404,7 +407,7 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
 // row's offset, j * blocks, for dot_rows_blocked's lanes.
 template <typename Rows>
 void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
-                const float* bias, float* out, int64_t out_stride) {
+                const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t blocks = k / kBlock;
   const auto group_of = [m](int64_t j) -> int64_t { return j + 8 <= m ? 8 : (j + 4 <= m ? 4 : 1); };
   std::vector<float> xsum;
@@ -421,7 +424,7 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
       j += g;
     }
   }
-  each_scaled_tile(rows, n, k, m, bias, out, out_stride, [&](int64_t n0, int64_t nr, const float* scales) {
+  each_scaled_tile(rows, n, k, m, bias, out, out_stride, min_rows, [&](int64_t n0, int64_t nr, const float* scales) {
     for (int64_t j = 0; j < m;) {
       const int64_t g = group_of(j);
       const float* xj = x + j * x_stride;
@@ -554,10 +557,10 @@ void dot_rows_int8(const Int8Activations& a, int64_t j0, const Rows& rows, const
 
 template <typename Rows>
 void int8_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
-                 const float* bias, float* out, int64_t out_stride) {
+                 const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   Int8Activations a;
   quantize_activations(x, x_stride, m, k, a);
-  each_scaled_tile(rows, n, k, m, bias, out, out_stride, [&](int64_t n0, int64_t nr, const float* scales) {
+  each_scaled_tile(rows, n, k, m, bias, out, out_stride, min_rows, [&](int64_t n0, int64_t nr, const float* scales) {
     int64_t j = 0;
     for (; j + 4 <= m; j += 4) dot_rows_int8<4, 1>(a, j, rows, scales, n0, nr, k, out + j * out_stride + n0, out_stride);
     for (; j < m; ++j) dot_rows_int8<1, 4>(a, j, rows, scales, n0, nr, k, out + j * out_stride + n0, 0);
@@ -578,6 +581,7 @@ void int8_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, 
 // order whatever the row count.
 constexpr int kDotX = 4;  // token rows per register tile: kDotX * kDotW = 16 accumulators, one sum_each
 constexpr int kDotW = 4;
+constexpr int kDirectRows = 8;  // the most token rows a call takes without the tile (dot_rows_direct_bf16)
 
 // Rows n0 .. n0 + nr of a blocked weight (Q4_1, Q8_0), as bfloat16 lanes:
 // block b of row r at tile[r * row_step + b * block_step]. Row-major, tile
@@ -665,7 +669,7 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
   }
 }
 
-// dot_tile_bf16 for up to kDotX token rows without the tile: each weight
+// dot_tile_bf16 for up to kDirectRows token rows without the tile: each weight
 // row's blocks are dequantized into registers and multiplied by every token
 // row at once. Each sum sees the same products in the same order as in the
 // tile (its blocks in order, one accumulator, then rounded_sums), so every
@@ -673,7 +677,9 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
 // back only once or a few times, and a 16-row tile of a long row (48 KB at
 // K = 1536) overflows a core's L1: streamed from memory, a one-row call on
 // the 576 x 1536 down weight took 43-44 us through the tile on 2 Zen 5
-// cores, 24-25 us this way (docs/engine.md, "Up to 4 token rows, no tile").
+// cores, 24-25 us this way. At 5 to 8 rows the tile is read back only twice,
+// and this way still won, on one thread and on two (docs/engine.md, "Up to 8
+// token rows, no tile").
 template <int JB, typename Rows>
 void dot_rows_direct_bf16(const c10::BFloat16* x, int64_t x_stride, const Rows& rows, int64_t n0, int64_t nr,
                           int64_t k, c10::BFloat16* y, int64_t y_stride) {
@@ -848,14 +854,14 @@ void amx_tile_rows(const __m512bh* tile, int64_t nr, int64_t blocks, const uint3
 
 template <typename Rows>
 void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
-                c10::BFloat16* out, int64_t out_stride) {
+                c10::BFloat16* out, int64_t out_stride, int64_t min_rows) {
   const int64_t tiles = (n + kRowTile - 1) / kRowTile;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   static_assert(kRowTile == kLanes, "a weight tile fills an AMX tile's 16 rows");
   if (amx_ready()) {
     const std::vector<uint32_t> xt = pair_interleaved(x, x_stride, m, k);
     const int64_t groups = (n + kAmxRows - 1) / kAmxRows;
-    at::parallel_for(0, groups, kMinRows / kAmxRows, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, groups, min_rows / kAmxRows, [&](int64_t begin, int64_t end) {
       // A short last group's spare rows hold zeros or an earlier group's weights: their sums are dropped.
       std::vector<__m512bh> tile(kAmxRows * (k / kBlock), __m512bh{});
       configure_tiles();
@@ -872,10 +878,10 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
     return;
   }
 #endif
-  if (0 < m && m <= kDotX) {  // (the direct path would read x rows that an empty call lacks)
+  if (0 < m && m <= kDirectRows) {  // (the direct path would read x rows that an empty call lacks)
     auto direct = [&](auto rows_tag) {
       constexpr int JB = decltype(rows_tag)::value;
-      at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, tiles, min_rows / kRowTile, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const int64_t n0 = t * kRowTile;
           dot_rows_direct_bf16<JB>(x, x_stride, rows, n0, std::min(kRowTile, n - n0), k, out + n0, out_stride);
@@ -886,11 +892,15 @@ void bf16_tiles(const c10::BFloat16* x, int64_t x_stride, int64_t m, const Rows&
       case 1: direct(std::integral_constant<int, 1>{}); break;
       case 2: direct(std::integral_constant<int, 2>{}); break;
       case 3: direct(std::integral_constant<int, 3>{}); break;
-      default: direct(std::integral_constant<int, 4>{}); break;
+      case 4: direct(std::integral_constant<int, 4>{}); break;
+      case 5: direct(std::integral_constant<int, 5>{}); break;
+      case 6: direct(std::integral_constant<int, 6>{}); break;
+      case 7: direct(std::integral_constant<int, 7>{}); break;
+      default: direct(std::integral_constant<int, 8>{}); break;
     }
     return;
   }
-  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, min_rows / kRowTile, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> tile(kRowTile * (k / kBlock));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
@@ -953,9 +963,9 @@ constexpr bool kWidenedTile<F32Tile<Rows>> = true;
 
 template <typename Rows>
 void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
-               const float* bias, float* out, int64_t out_stride) {
+               const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t tiles = (n + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, min_rows / kRowTile, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(kRowTile * k);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
@@ -972,9 +982,9 @@ void f32_tiles(const float* x, int64_t x_stride, int64_t m, const Rows& rows, in
 
 template <typename T, typename Rows>
 void linear_impl(const T* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k, const T* bias,
-                 T* out, int64_t out_stride) {
+                 T* out, int64_t out_stride, int64_t min_rows) {
   const int64_t tiles = (n + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, tiles, kMinRows / kRowTile, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, min_rows / kRowTile, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowTile, nr = std::min(kRowTile, n - n0);
       dot_tile_rows(x, x_stride, m, rows, n0, nr, k, bias, out, out_stride);
@@ -995,18 +1005,21 @@ bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& 
 
 // `int8_activations`: float32 activations rounded to int8 (int8_blocks),
 // for the blocked formats where this build has that path; the caller asks
-// `int8_activations_built` first.
+// `int8_activations_built` first. A call of fewer than `serial_macs`
+// multiply-adds stays on the calling thread (engine/model/quant_linear.py:
+// where idle threads sleep, waking one costs more than it saves there).
 template <typename Rows>
 void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::optional<torch::Tensor>& bias,
-              torch::Tensor& out, bool int8_activations = false) {
+              torch::Tensor& out, int64_t serial_macs, bool int8_activations = false) {
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
   TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
+  const int64_t min_rows = x.size(0) * n * x.size(1) < serial_macs ? kOneThread : kMinRows;
   if (x.scalar_type() == at::kFloat) {
 #ifdef LORAGW_INT8_ACTIVATIONS
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {
       if (int8_activations) {
         int8_blocks(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0), min_rows);
         return;
       }
     }
@@ -1014,31 +1027,31 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
 #ifdef LORAGW_BLOCKED_F32
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {
       f32_blocks(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
-                 bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+                 bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0), min_rows);
       return;
     }
 #endif
 #ifdef __AVX512F__
     if (x.size(0) > kF32TileRows) {
       f32_tiles(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
-                bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+                bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0), min_rows);
       return;
     }
 #endif
     linear_impl<float>(x.data_ptr<float>(), x.stride(0), x.size(0), rows, n, x.size(1),
-                       bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
+                       bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0), min_rows);
   } else {
     using bf16 = c10::BFloat16;
 #ifdef __AVX512BF16__
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {  // the blocked formats
       bf16_tiles(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1), out.data_ptr<bf16>(),
-                 out.stride(0));
+                 out.stride(0), min_rows);
       if (bias.has_value()) out.add_(*bias);  // rounded twice, as the loop above
       return;
     }
 #endif
     linear_impl<bf16>(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1),
-                      bias.has_value() ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0));
+                      bias.has_value() ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0), min_rows);
   }
 }
 
@@ -1063,20 +1076,21 @@ bool int8_activations_ok(const torch::Tensor& x, bool int8_activations) {
 // none, out [M, N] in x's dtype. False (nothing done) for tensors this kernel
 // does not take, so the caller uses the torch twin.
 bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t serial_macs) {
   if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       scale.scalar_type() != at::kFloat || !scale.is_contiguous())
     return false;
   TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1) && scale.numel() == q.size(0),
               "int8_linear: x ", x.sizes(), ", q ", q.sizes(), ", scale ", scale.sizes());
-  dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out);
+  dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out, serial_macs);
   return true;
 }
 
 // x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K / 2] uint8, dm
 // [N, K / 32, 2] float16, bias [N] or none, out [M, N] in x's dtype.
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations) {
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
+                 int64_t serial_macs) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
@@ -1084,21 +1098,24 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
-  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out, int8_activations);
+  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out, serial_macs,
+           int8_activations);
   return true;
 }
 
 // x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K] int8, d [N, K / 32]
 // float16, bias [N] or none, out [M, N] in x's dtype.
 bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations) {
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
+                 int64_t serial_macs) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       d.scalar_type() != at::kHalf || !d.is_contiguous())
     return false;
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 2 && q.size(1) == k && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) * kBlock == k,
               "q8_0_linear: x ", x.sizes(), ", q ", q.sizes(), ", d ", d.sizes());
-  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out, int8_activations);
+  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out, serial_macs,
+           int8_activations);
   return true;
 }
 
@@ -1114,7 +1131,8 @@ bool uses_amx() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_amx", &uses_amx, "uses_amx");
   m.def("int8_activations_built", &int8_activations_built, "int8_activations_built");
-  m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
-  m.def("q4_1_linear", torch::wrap_pybind_function(q4_1_linear), "q4_1_linear");
-  m.def("q8_0_linear", torch::wrap_pybind_function(q8_0_linear), "q8_0_linear");
+  // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
+  m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");
+  m.def("q4_1_linear", torch::wrap_pybind_function_no_gil(q4_1_linear), "q4_1_linear");
+  m.def("q8_0_linear", torch::wrap_pybind_function_no_gil(q8_0_linear), "q8_0_linear");
 }

@@ -65,6 +65,17 @@ from engine.model import cpu_linear
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "quant_linear.cpp"
 Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
+# Where idle threads sleep (native/__init__.py), a kernel call of fewer
+# multiply-adds (token rows x weight rows x K) than this, by activation
+# dtype, stays on the calling thread: waking the other costs ~45 us there,
+# more than half such a call. On 2 Zen 5 cores under OMP_WAIT_POLICY=PASSIVE
+# (benchmarks/quant_linear.py, weights streamed from memory), in
+# microseconds, one thread against two: bfloat16 Q4_1 on the 576 x 576
+# weight at 1 token row 16 against 52, at 16 rows 52 against 74; on the
+# 1,536 x 576 weight at 4 rows 53 against 74, at 16 rows 135 against 119.
+# Float32 widens in software and ties at half the multiply-adds: the
+# 1,536 x 576 weight at 1 row 95 against ~95, at 16 rows 292 against 199.
+SERIAL_MACS_WHEN_THREADS_SLEEP = {torch.bfloat16: 6 << 20, torch.float32: 3 << 20}
 
 _KERNEL = native.Kernel("loragw_quant_linear", SOURCE, "CPU quantized linear kernel", cpu_linear.ENV_SWITCH)
 load_kernel = _KERNEL.load
@@ -87,7 +98,7 @@ class Int8Weight:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.int8_linear(x, self.q, self.scale, bias, out)
+        return kernel.int8_linear(x, self.q, self.scale, bias, out, serial_macs(x.dtype))
 
 
 @dataclass
@@ -114,7 +125,7 @@ class Q41Weight:
         return (values * dm[..., :1] + dm[..., 1:]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations)
+        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations, serial_macs(x.dtype))
 
 
 @dataclass
@@ -137,10 +148,15 @@ class Q80Weight:
         return (blocks * self.d.float()[..., None]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations)
+        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations, serial_macs(x.dtype))
 
 
 QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
+
+
+@functools.cache
+def serial_macs(dtype: torch.dtype) -> int:
+    return native.serial_below(SERIAL_MACS_WHEN_THREADS_SLEEP.get(dtype, 0))
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

@@ -132,5 +132,6 @@ bool lora_apply(const torch::Tensor& x, const torch::Tensor& lora_a, const std::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lora_apply", torch::wrap_pybind_function(lora_apply), "lora_apply");
+  // Without the GIL, as torch's own ops and the engine's kernels (engine/csrc/cpu_prefill.cpp says why).
+  m.def("lora_apply", torch::wrap_pybind_function_no_gil(lora_apply), "lora_apply");
 }

@@ -111,7 +111,7 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [3, 5])  # bfloat16's blocked formats: without and with a dequantized tile
+@pytest.mark.parametrize("rows", [3, 9])  # bfloat16's blocked formats: without and with a dequantized tile
 def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
     qws, gen = _weights((80, 96), seed=9)
     qw = qws[fmt]
@@ -132,8 +132,8 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
     change with speculation on. 37 rows take three of AMX's 16-row tiles, in
-    two passes; without AMX, calls of up to 4 rows skip the dequantized
-    tile in bfloat16, and the splits put 1, 2, 3 and 4 rows against it.
+    two passes; without AMX, calls of up to 8 rows skip the dequantized
+    tile in bfloat16, and the splits put 1 to 8 rows against it.
     In float32 on AVX-512, calls past 4 rows go 4 at a time over a widened
     tile, then the last 1, 2 or 3 in one pass: 6, 7 and 31 rows reach those
     last passes."""
@@ -150,6 +150,26 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
         for rows, out in zip(x.split(split), parts):
             assert qw.run_kernel(kernel, rows, None, out)
         assert torch.equal(torch.cat(parts), together), split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_call_kept_on_the_calling_thread_sums_as_one_spread_over_the_threads(kernel, fmt, dtype, monkeypatch):
+    """Where idle threads sleep, a call of fewer multiply-adds than
+    `serial_macs` stays on the calling thread: that moves tiles between
+    threads, never a sum. 300 weight rows make 19 tiles, more than one
+    thread's share."""
+    qws, gen = _weights((300, 96), seed=5)
+    qw = qws[fmt]
+    for rows in (1, 6, 20):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        outs = []
+        for threshold in (0, 1 << 62):  # over the threads, then all on this one
+            monkeypatch.setattr(quant_linear, "serial_macs", lambda dtype, threshold=threshold: threshold)
+            outs.append(torch.empty(rows, 300, dtype=dtype))
+            assert qw.run_kernel(kernel, x, None, outs[-1])
+        assert torch.equal(outs[0], outs[1]), rows
+        torch.testing.assert_close(outs[1].double(), x.double() @ naive_weight(qw).T, **TOLERANCE[dtype])
 
 
 @pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
@@ -202,7 +222,7 @@ def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
 def test_a_shape_mismatch_raises(kernel):
     qw = quant_linear.quantize_q4_1(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="q4_1_linear"):
-        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False)
+        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0)
 
 
 @pytest.fixture(scope="module")
