@@ -35,6 +35,8 @@
 
 #include <atomic>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "vector_helpers.h"
 
@@ -57,6 +59,53 @@ struct Item {
   int64_t chunk, head, first;  // queries first .. first + 16 of the chunk (fewer at its end)
   int64_t tiles;               // key tiles it reads: its cost
 };
+
+// The items of the n chunks: each 16 query positions of a chunk with each
+// of `heads` heads (query heads in bfloat16, KV heads in float32),
+// costliest first, so that the last items the threads take are short.
+std::vector<Item> make_items(const Chunks& ch, int64_t n, int64_t heads) {
+  std::vector<Item> items;
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t len = ch.lens[c], ctx = ch.seq_lens[ch.seq_ids[c]] - len;
+    for (int64_t first = 0; first < len; first += kLanes) {
+      const int64_t last = ctx + std::min(len, first + kLanes) - 1;
+      for (int64_t h = 0; h < heads; ++h) items.push_back({c, h, first, last / kLanes + 1});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tiles > b.tiles; });
+  return items;
+}
+
+// run(item, scratch) for every item: the threads take them in order from a
+// shared counter, each with its own scratch (make_scratch()); all on this
+// thread when `serial`.
+template <typename MakeScratch, typename Run>
+void run_items(const std::vector<Item>& items, bool serial, MakeScratch make_scratch, Run run) {
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    auto sc = make_scratch();
+    for (int64_t w; (w = next.fetch_add(1)) < num_items;) run(items[w], sc);
+  };
+  if (serial || num_items == 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, worker);
+  }
+}
+
+// f(std::integral_constant<int, D>{}) for the head dim D, where it has a build.
+template <typename F>
+void with_head_dim(int64_t head_dim, F f) {
+  switch (head_dim) {
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    case 96: f(std::integral_constant<int, 96>{}); break;
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    default: TORCH_CHECK(false, "prefill_attention: head_dim ", head_dim, " has no build");
+  }
+}
 
 #if defined(__AVX512BF16__)
 
@@ -210,32 +259,13 @@ template <int D>
 void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const Chunks& ch, int64_t n, float scale, bool serial) {
   const int64_t num_heads = query.size(1), group = num_heads / ch.num_kv_heads;
-  std::vector<Item> items;
-  for (int64_t c = 0; c < n; ++c) {
-    const int64_t len = ch.lens[c], ctx = ch.seq_lens[ch.seq_ids[c]] - len;
-    for (int64_t first = 0; first < len; first += kLanes) {
-      const int64_t last = ctx + std::min(len, first + kLanes) - 1;
-      for (int64_t h = 0; h < num_heads; ++h) items.push_back({c, h, first, last / kLanes + 1});
-    }
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tiles > b.tiles; });
   const Step st{reinterpret_cast<const c10::BFloat16*>(query.data_ptr()),
                 reinterpret_cast<const c10::BFloat16*>(k_cache.data_ptr()),
                 reinterpret_cast<const c10::BFloat16*>(v_cache.data_ptr()),
                 reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), group, scale};
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  auto worker = [&](int64_t, int64_t) {
-    Scratch sc;
-    for (int64_t w; (w = next.fetch_add(1)) < num_items;)
-      run_item<D>(items[w], ch, st, sc);
-  };
-  if (serial || num_items == 1) {
-    worker(0, 1);
-  } else {
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, worker);
-  }
+  run_items(make_items(ch, n, num_heads), serial, [] { return Scratch{}; },
+            [&](const Item& it, Scratch& sc) { run_item<D>(it, ch, st, sc); });
 }
 
 #endif  // __AVX512BF16__
@@ -470,44 +500,13 @@ template <int D, typename KV>
 void attention_impl32(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const Chunks& ch, int64_t n, float scale, bool serial) {
   const int64_t group = query.size(1) / ch.num_kv_heads;
-  std::vector<Item> items;
-  for (int64_t c = 0; c < n; ++c) {
-    const int64_t len = ch.lens[c], ctx = ch.seq_lens[ch.seq_ids[c]] - len;
-    for (int64_t first = 0; first < len; first += kLanes) {
-      const int64_t last = ctx + std::min(len, first + kLanes) - 1;
-      for (int64_t h = 0; h < ch.num_kv_heads; ++h) items.push_back({c, h, first, last / kLanes + 1});
-    }
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tiles > b.tiles; });
   const Step32<KV> st{query.data_ptr<float>(),
                       reinterpret_cast<const KV*>(k_cache.data_ptr()),
                       reinterpret_cast<const KV*>(v_cache.data_ptr()),
                       out.data_ptr<float>(),
                       query.stride(0), query.stride(1), out.stride(0), out.stride(1), group, scale};
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  auto worker = [&](int64_t, int64_t) {
-    Scratch32 sc(group, D);
-    for (int64_t w; (w = next.fetch_add(1)) < num_items;) run_item32<D, KV>(items[w], ch, st, sc);
-  };
-  if (serial || num_items == 1) {
-    worker(0, 1);
-  } else {
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, worker);
-  }
-}
-
-template <typename KV>
-void dispatch32(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
-                const torch::Tensor& v_cache, const Chunks& ch, int64_t n, float scale, bool serial) {
-  switch (ch.head_dim) {
-    case 64: attention_impl32<64, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
-    case 128: attention_impl32<128, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
-    case 32: attention_impl32<32, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
-    case 96: attention_impl32<96, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
-    case 256: attention_impl32<256, KV>(out, query, k_cache, v_cache, ch, n, scale, serial); break;
-    default: TORCH_CHECK(false, "prefill_attention: head_dim ", ch.head_dim, " has no build");
-  }
+  run_items(make_items(ch, n, ch.num_kv_heads), serial, [&] { return Scratch32(group, D); },
+            [&](const Item& it, Scratch32& sc) { run_item32<D, KV>(it, ch, st, sc); });
 }
 
 }  // namespace
@@ -546,22 +545,20 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_c
                    (q == at::kBFloat16 && c == at::kBFloat16)),
               "prefill_attention: unsupported query/cache dtypes ", q, "/", c);
   if (q == at::kFloat) {
-    if (c == at::kHalf) {
-      dispatch32<c10::Half>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
-    } else {
-      dispatch32<float>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
-    }
+    with_head_dim(ch.head_dim, [&](auto dim) {
+      constexpr int D = decltype(dim)::value;
+      if (c == at::kHalf) {
+        attention_impl32<D, c10::Half>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
+      } else {
+        attention_impl32<D, float>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
+      }
+    });
     return;
   }
 #if defined(__AVX512BF16__)
-  switch (ch.head_dim) {
-    case 64: attention_impl<64>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
-    case 128: attention_impl<128>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
-    case 32: attention_impl<32>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
-    case 96: attention_impl<96>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
-    case 256: attention_impl<256>(out, query, k_cache, v_cache, ch, n, (float)scale, serial); break;
-    default: TORCH_CHECK(false, "prefill_attention: head_dim ", ch.head_dim, " has no build");
-  }
+  with_head_dim(ch.head_dim, [&](auto dim) {
+    attention_impl<decltype(dim)::value>(out, query, k_cache, v_cache, ch, n, (float)scale, serial);
+  });
 #else
   TORCH_CHECK(false, "prefill_attention: bfloat16 needs AVX512-BF16");
 #endif
