@@ -80,8 +80,7 @@ def dtypes_and_blocks(parser: argparse.ArgumentParser, args) -> tuple[torch.dtyp
     cache_dtype = getattr(torch, args.kv_cache_dtype or args.dtype)
     if cache_dtype != dtype and dtype != torch.float32:
         parser.error("--kv-cache-dtype float16 needs --dtype float32")
-    element = torch.empty((), dtype=cache_dtype).element_size()
-    return dtype, cache_dtype, CACHE_BYTES // (2 * LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * element)
+    return dtype, cache_dtype, CACHE_BYTES // (2 * LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * cache_dtype.itemsize)
 
 
 def time_step(backend, caches, meta, q, k, v, rounds: int) -> tuple[float, torch.Tensor]:
@@ -129,7 +128,7 @@ def main() -> None:
         q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
         k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
         v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        gb = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * element * LAYERS / 1e9
+        gb = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * cache_dtype.itemsize * LAYERS / 1e9
         row, outs = {"num_seqs": n, "positions": sum(lens), "kv_gb_per_step": round(gb, 3)}, {}
         for name, backend in backends.items():
             ms, outs[name] = time_step(backend, caches, meta, q, k, v, args.rounds)
