@@ -113,6 +113,8 @@ struct Scratch {  // per thread
   alignas(64) uint32_t qt[kMaxDim / 2][kLanes];  // [dim pair][query]: the queries' bfloat16 pairs
   alignas(64) uint32_t v2[kLanes / 2][kMaxDim];  // [key pair][dim]: two keys' values at a dim
   alignas(64) float ot[kMaxDim][kLanes];         // [dim][query]: the weighted values so far
+  // Not zeroed (32 KB a thread a call): an item writes each part before it reads it.
+  Scratch() {}
 };
 
 // The queries' dim pairs, lanes past nq zero.

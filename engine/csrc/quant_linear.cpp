@@ -677,8 +677,8 @@ void dot_tile_bf16(const c10::BFloat16* x, int64_t x_stride, const __m512bh* til
 // back only once or a few times, and a 16-row tile of a long row (48 KB at
 // K = 1536) overflows a core's L1: streamed from memory, a one-row call on
 // the 576 x 1536 down weight took 43-44 us through the tile on 2 Zen 5
-// cores, 24-25 us this way. At 5 to 8 rows the tile is read back only twice,
-// and this way still won, on one thread and on two (docs/engine.md, "Up to 8
+// cores, 24-25 us this way. At 5 to 8 rows the tile is read back two to four
+// times, and this way still won, on one thread and on two (docs/engine.md, "Up to 8
 // token rows, no tile").
 template <int JB, typename Rows>
 void dot_rows_direct_bf16(const c10::BFloat16* x, int64_t x_stride, const Rows& rows, int64_t n0, int64_t nr,

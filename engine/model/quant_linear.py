@@ -61,21 +61,26 @@ import torch
 import torch.nn.functional as F
 
 import native
+from engine import host_cpu
 from engine.model import cpu_linear
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "quant_linear.cpp"
 Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # Where idle threads sleep (native/__init__.py), a kernel call of fewer
-# multiply-adds (token rows x weight rows x K) than this, by activation
-# dtype, stays on the calling thread: waking the other costs ~45 us there,
-# more than half such a call. On 2 Zen 5 cores under OMP_WAIT_POLICY=PASSIVE
-# (benchmarks/quant_linear.py, weights streamed from memory), in
-# microseconds, one thread against two: bfloat16 Q4_1 on the 576 x 576
-# weight at 1 token row 16 against 52, at 16 rows 52 against 74; on the
-# 1,536 x 576 weight at 4 rows 53 against 74, at 16 rows 135 against 119.
-# Float32 widens in software and ties at half the multiply-adds: the
-# 1,536 x 576 weight at 1 row 95 against ~95, at 16 rows 292 against 199.
-SERIAL_MACS_WHEN_THREADS_SLEEP = {torch.bfloat16: 6 << 20, torch.float32: 3 << 20}
+# multiply-adds (token rows x weight rows x K) than this stays on the
+# calling thread: waking the other costs ~45 us there, more than half such a
+# call. By the kernel's path: the bfloat16 dot-product tiles (Q4_1 and Q8_0
+# with bfloat16 activations on AVX512-BF16), or a path that widens each
+# weight in software (float32 activations, int8 weights, bfloat16 without
+# AVX512-BF16), about half as fast a multiply-add. On 2 Zen 5 cores under
+# OMP_WAIT_POLICY=PASSIVE (benchmarks/quant_linear.py, weights streamed
+# from memory), in microseconds, one thread against two: bfloat16 Q4_1 on
+# the 576 x 576 weight at 1 token row 16 against 52, at 16 rows 53 against
+# 74; on the 1,536 x 576 weight at 4 rows 54 against 74, at 16 rows 135
+# against 119. Float32 Q4_1, one thread against two: the 576 x 576 weight
+# at 8 rows 81 against 89, at 16 rows 122 against 108; the 1,536 x 576
+# weight at 2 rows 81 against 79, at 4 rows 107 against 92.
+SERIAL_MACS_WHEN_THREADS_SLEEP = {"bfloat16 tiles": 6 << 20, "widening": 3 << 20}
 
 _KERNEL = native.Kernel("loragw_quant_linear", SOURCE, "CPU quantized linear kernel", cpu_linear.ENV_SWITCH)
 load_kernel = _KERNEL.load
@@ -98,7 +103,7 @@ class Int8Weight:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.int8_linear(x, self.q, self.scale, bias, out, serial_macs(x.dtype))
+        return kernel.int8_linear(x, self.q, self.scale, bias, out, serial_macs(bfloat16_tiles=False))
 
 
 @dataclass
@@ -125,7 +130,8 @@ class Q41Weight:
         return (values * dm[..., :1] + dm[..., 1:]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations, serial_macs(x.dtype))
+        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations,
+                                  serial_macs(bfloat16_tiles=x.dtype == torch.bfloat16))
 
 
 @dataclass
@@ -148,15 +154,19 @@ class Q80Weight:
         return (blocks * self.d.float()[..., None]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations, serial_macs(x.dtype))
+        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations,
+                                  serial_macs(bfloat16_tiles=x.dtype == torch.bfloat16))
 
 
 QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
 
 
 @functools.cache
-def serial_macs(dtype: torch.dtype) -> int:
-    return native.serial_below(SERIAL_MACS_WHEN_THREADS_SLEEP.get(dtype, 0))
+def serial_macs(*, bfloat16_tiles: bool) -> int:
+    """The kernel's `serial_macs` for a call that takes the bfloat16 tiles
+    where the host has them (blocked formats, bfloat16 activations), or not."""
+    tiles = bfloat16_tiles and "avx512_bf16" in host_cpu.cpu_flags()
+    return native.serial_below(SERIAL_MACS_WHEN_THREADS_SLEEP["bfloat16 tiles" if tiles else "widening"])
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
