@@ -6,16 +6,19 @@ import concurrent.futures
 import fnmatch
 import importlib
 import re
+import sys
 import threading
+import time
 import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import native
 from adapters.ops import cpu_ops
 from engine.attention import cpu_decode, cpu_prefill
-from engine.model import cpu_linear
+from engine.model import cpu_elementwise, cpu_linear, quant_linear
 
 ROOT = Path(__file__).parents[1]
 KERNEL_PACKAGES = ("engine", "adapters", "native")
@@ -194,9 +197,6 @@ def _other_threads_ran_during(call, tries: int = 20) -> bool:
     interval is set far past the test, so the calling thread gives the GIL
     up only where something releases it; the other thread counts, then
     hands the GIL straight back (time.sleep(0) releases it)."""
-    import sys
-    import time
-
     count, stop = [0], threading.Event()
 
     def counter():
@@ -227,25 +227,19 @@ def _kernel_calls(name: str):
     tensor made beforehand (torch's own ops release the GIL, so a tensor made
     inside the call would let the other thread run whatever the kernel
     does). The call returns what the kernel returned."""
-    import torch
-
-    from engine.model import cpu_elementwise, quant_linear
-
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 2048, generator=gen)
-    weight = torch.randn(4096, 2048, generator=gen)
-    out = torch.empty(8, 4096)
-    wide, norm_weight, wide_out = torch.randn(2048, 4096, generator=gen), torch.ones(4096), torch.empty(2048, 4096)
-    if name == "q4_1_linear":
+    if name in ("q4_1_linear", "skinny_linear"):
+        x, weight, out = torch.randn(8, 2048, generator=gen), torch.randn(4096, 2048, generator=gen), torch.empty(8, 4096)
+        if name == "skinny_linear":
+            return cpu_linear.load_kernel(), lambda k: k.skinny_linear(x, weight, None, out)
         q41 = quant_linear.quantize_q4_1(weight)
         return quant_linear.load_kernel(), lambda k: k.q4_1_linear(x, q41.q, q41.dm, None, out, False, 0)
-    if name == "skinny_linear":
-        return cpu_linear.load_kernel(), lambda k: k.skinny_linear(x, weight, None, out)
-    half_out = torch.empty(2048, 2048)
-    return cpu_elementwise.load_kernel(), {
-        "rms_norm": lambda k: k.rms_norm(wide, None, norm_weight, 1e-6, wide_out, 0),
-        "silu_mul": lambda k: k.silu_mul(wide, half_out, None, 0),
-    }[name]
+    wide = torch.randn(2048, 4096, generator=gen)
+    if name == "rms_norm":
+        weight, out = torch.ones(4096), torch.empty(2048, 4096)
+        return cpu_elementwise.load_kernel(), lambda k: k.rms_norm(wide, None, weight, 1e-6, out, 0)
+    out = torch.empty(2048, 2048)
+    return cpu_elementwise.load_kernel(), lambda k: k.silu_mul(wide, out, None, 0)
 
 
 def test_the_gil_check_tells_a_held_gil_from_a_released_one():
