@@ -229,7 +229,8 @@ def _kernel_calls(name: str):
     does). The call returns what the kernel returned."""
     gen = torch.Generator().manual_seed(0)
     if name in ("q4_1_linear", "skinny_linear"):
-        x, weight, out = torch.randn(8, 2048, generator=gen), torch.randn(4096, 2048, generator=gen), torch.empty(8, 4096)
+        x, weight = torch.randn(8, 2048, generator=gen), torch.randn(4096, 2048, generator=gen)
+        out = torch.empty(8, 4096)
         if name == "skinny_linear":
             return cpu_linear.load_kernel(), lambda k: k.skinny_linear(x, weight, None, out)
         q41 = quant_linear.quantize_q4_1(weight)
