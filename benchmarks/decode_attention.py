@@ -16,7 +16,13 @@ engine puts it (`allocate_kv_caches`).
 float32 model's default cache on the CPU), as many blocks as the same bytes
 hold.
 
-    python benchmarks/decode_attention.py [--dtype bfloat16] [--kv-cache-dtype float16]
+`--hot` gives every sequence the same blocks, the pool's first, all but its
+last (its own, where its new K/V is written), so that a layer's K/V
+(hundreds of KiB; about 1 MiB over a float32 cache) stay in the caches: the
+kernel's arithmetic, where the default measures it reading from memory. The
+two together say which one bounds it.
+
+    python benchmarks/decode_attention.py [--dtype bfloat16] [--kv-cache-dtype float16] [--hot]
         [--batches 1x512 4x300 16x450 64x500] [--rounds 5] [--out PATH]
 """
 
@@ -46,14 +52,18 @@ class _Config:  # what allocate_kv_caches reads of an HF config
     hidden_size = NUM_HEADS * HEAD_DIM
 
 
-def decode_meta(lens: list[int], num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
-    """One decode token per sequence over blocks drawn from the whole pool."""
+def decode_meta(lens: list[int], num_blocks: int, gen: torch.Generator, hot: bool = False) -> AttentionMetadata:
+    """One decode token per sequence over blocks drawn from the whole pool,
+    or with `hot` over the pool's first blocks, shared by every sequence,
+    but for its last block: its own, so that no sequence writes into
+    another's context."""
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in lens]
     pool = torch.randperm(num_blocks, generator=gen)[: sum(blocks_per_seq)].tolist()
     width = max(blocks_per_seq)
+    assert not hot or width + len(lens) <= num_blocks, "more blocks than the pool holds"
     tables, slots, start = [], [], 0
-    for n, nb in zip(lens, blocks_per_seq, strict=True):
-        row = pool[start : start + nb]
+    for i, (n, nb) in enumerate(zip(lens, blocks_per_seq, strict=True)):
+        row = [*range(nb - 1), width + i] if hot else pool[start : start + nb]
         start += nb
         slots.append(row[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
         tables.append(row + [0] * (width - nb))
@@ -108,10 +118,13 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", default=["1x512", "4x300", "16x450", "64x500"],
                         help="NxL: N sequences of mean context L (uniform in L/2 .. 3L/2)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/decode_attention-<dtype>.json")
+    parser.add_argument("--hot", action="store_true",
+                        help="every sequence over the same blocks but its last: K/V in cache")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/decode_attention-<dtype>[-float16-cache][-hot].json")
     args = parser.parse_args()
     dtype, cache_dtype, num_blocks = dtypes_and_blocks(parser, args)
-    result = {"machine": machine_facts(), "dtype": args.dtype, "kv_cache_dtype": str(cache_dtype)[6:],
+    result = {"machine": machine_facts(), "dtype": args.dtype, "kv_cache_dtype": str(cache_dtype)[6:], "hot": args.hot,
               "threads": torch.get_num_threads(),
               "num_blocks": num_blocks, "load_before": load_average(), "batches": {}}
     caches = allocate_kv_caches(_Config, num_blocks, BLOCK_SIZE, cache_dtype, torch.device("cpu"))
@@ -120,11 +133,13 @@ def main() -> None:
         for t in cache:
             t.normal_(generator=gen)
     backends = {"kernel": TorchAttentionBackend(decode_kernel=True), "twin": TorchAttentionBackend(decode_kernel=False)}
-    print(f"{args.dtype} over a {str(cache_dtype)[6:]} cache, {num_blocks} blocks, {torch.get_num_threads()} threads")
+    hot = " (hot: shared by every sequence)" if args.hot else ""
+    threads = torch.get_num_threads()
+    print(f"{args.dtype} over a {str(cache_dtype)[6:]} cache, {num_blocks} blocks{hot}, {threads} threads")
     for spec in args.batches:
         n, mean = (int(x) for x in spec.split("x"))
         lens = torch.randint(mean // 2, mean * 3 // 2 + 1, (n,), generator=gen).tolist()
-        meta = decode_meta(lens, num_blocks, gen)
+        meta = decode_meta(lens, num_blocks, gen, hot=args.hot)
         q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
         k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
         v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -141,7 +156,7 @@ def main() -> None:
               f"{row['speedup']}x")
     result["load_after"] = load_average()
     print(f"load before {result['load_before']}, after {result['load_after']}")
-    suffix = f"-{args.kv_cache_dtype}-cache" if args.kv_cache_dtype else ""
+    suffix = (f"-{args.kv_cache_dtype}-cache" if args.kv_cache_dtype else "") + ("-hot" if args.hot else "")
     write_json(result, args.out or f"benchmarks/results/decode_attention-{args.dtype}{suffix}.json")
 
 

@@ -234,7 +234,7 @@ def _kernel_calls(name: str):
         if name == "skinny_linear":
             return cpu_linear.load_kernel(), lambda k: k.skinny_linear(x, weight, None, out)
         q41 = quant_linear.quantize_q4_1(weight)
-        return quant_linear.load_kernel(), lambda k: k.q4_1_linear(x, q41.q, q41.dm, None, out, False, 0)
+        return quant_linear.load_kernel(), lambda k: k.q4_1_linear(x, q41.q, q41.dm, None, out, False, 0, 0)
     wide = torch.randn(2048, 4096, generator=gen)
     if name == "rms_norm":
         weight, out = torch.ones(4096), torch.empty(2048, 4096)

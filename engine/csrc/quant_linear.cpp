@@ -1003,17 +1003,26 @@ bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& 
   return ok;
 }
 
+// The calls that stay on the calling thread: fewer multiply-adds than
+// `tiles` on the bfloat16 dot-product tiles, than `widening` on a path that
+// widens each weight in software, whose multiply-adds take about twice as
+// long (engine/model/quant_linear.py: where idle threads sleep, waking one
+// costs more than it saves there). Only this build knows which path a call
+// takes, so the limit is chosen here.
+struct SerialMacs {
+  int64_t tiles, widening;
+};
+
 // `int8_activations`: float32 activations rounded to int8 (int8_blocks),
 // for the blocked formats where this build has that path; the caller asks
-// `int8_activations_built` first. A call of fewer than `serial_macs`
-// multiply-adds stays on the calling thread (engine/model/quant_linear.py:
-// where idle threads sleep, waking one costs more than it saves there).
+// `int8_activations_built` first.
 template <typename Rows>
 void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::optional<torch::Tensor>& bias,
-              torch::Tensor& out, int64_t serial_macs, bool int8_activations = false) {
+              torch::Tensor& out, SerialMacs serial, bool int8_activations = false) {
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
   TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
-  const int64_t min_rows = x.size(0) * n * x.size(1) < serial_macs ? kOneThread : kMinRows;
+  const int64_t macs = x.size(0) * n * x.size(1);
+  const int64_t min_rows = macs < serial.widening ? kOneThread : kMinRows;
   if (x.scalar_type() == at::kFloat) {
 #ifdef LORAGW_INT8_ACTIVATIONS
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {
@@ -1045,7 +1054,7 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
 #ifdef __AVX512BF16__
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {  // the blocked formats
       bf16_tiles(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1), out.data_ptr<bf16>(),
-                 out.stride(0), min_rows);
+                 out.stride(0), macs < serial.tiles ? kOneThread : kMinRows);
       if (bias.has_value()) out.add_(*bias);  // rounded twice, as the loop above
       return;
     }
@@ -1076,13 +1085,15 @@ bool int8_activations_ok(const torch::Tensor& x, bool int8_activations) {
 // none, out [M, N] in x's dtype. False (nothing done) for tensors this kernel
 // does not take, so the caller uses the torch twin.
 bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t serial_macs) {
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t serial_macs_tiles,
+                 int64_t serial_macs_widening) {
   if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       scale.scalar_type() != at::kFloat || !scale.is_contiguous())
     return false;
   TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1) && scale.numel() == q.size(0),
               "int8_linear: x ", x.sizes(), ", q ", q.sizes(), ", scale ", scale.sizes());
-  dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out, serial_macs);
+  dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out,
+           SerialMacs{serial_macs_tiles, serial_macs_widening});
   return true;
 }
 
@@ -1090,7 +1101,7 @@ bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 // [N, K / 32, 2] float16, bias [N] or none, out [M, N] in x's dtype.
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
-                 int64_t serial_macs) {
+                 int64_t serial_macs_tiles, int64_t serial_macs_widening) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
@@ -1098,8 +1109,8 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
-  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out, serial_macs,
-           int8_activations);
+  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out,
+           SerialMacs{serial_macs_tiles, serial_macs_widening}, int8_activations);
   return true;
 }
 
@@ -1107,15 +1118,15 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 // float16, bias [N] or none, out [M, N] in x's dtype.
 bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
-                 int64_t serial_macs) {
+                 int64_t serial_macs_tiles, int64_t serial_macs_widening) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       d.scalar_type() != at::kHalf || !d.is_contiguous())
     return false;
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 2 && q.size(1) == k && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) * kBlock == k,
               "q8_0_linear: x ", x.sizes(), ", q ", q.sizes(), ", d ", d.sizes());
-  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out, serial_macs,
-           int8_activations);
+  dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out,
+           SerialMacs{serial_macs_tiles, serial_macs_widening}, int8_activations);
   return true;
 }
 

@@ -12,7 +12,7 @@ Formats (both quantized from the float32 checkpoint when the model loads):
         scale d and minimum m, w = d * q + m, q in [0, 15], two per byte
         (byte i of a block: element i low, element i + 16 high). The bundled
         SmolLM2 ships as Q4_1, so its linears come back to within float16
-        rounding of d and m (`tests/engine/model/test_quant_linear.py`).
+        rounding of d and m (`tests/engine/model/test_quantizers.py`).
   q8_0  GGUF's Q8_0, read only by quantization "auto" for an LM head
         stored that way: blocks of 32, each with a float16 scale d,
         w = d * q, q int8 in [-127, 127].
@@ -61,7 +61,6 @@ import torch
 import torch.nn.functional as F
 
 import native
-from engine import host_cpu
 from engine.model import cpu_linear
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "quant_linear.cpp"
@@ -103,7 +102,7 @@ class Int8Weight:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.int8_linear(x, self.q, self.scale, bias, out, serial_macs(bfloat16_tiles=False))
+        return kernel.int8_linear(x, self.q, self.scale, bias, out, *serial_macs())
 
 
 @dataclass
@@ -130,8 +129,7 @@ class Q41Weight:
         return (values * dm[..., :1] + dm[..., 1:]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations,
-                                  serial_macs(bfloat16_tiles=x.dtype == torch.bfloat16))
+        return kernel.q4_1_linear(x, self.q, self.dm, bias, out, self.int8_activations, *serial_macs())
 
 
 @dataclass
@@ -154,19 +152,19 @@ class Q80Weight:
         return (blocks * self.d.float()[..., None]).reshape(n, k).to(dtype)
 
     def run_kernel(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
-        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations,
-                                  serial_macs(bfloat16_tiles=x.dtype == torch.bfloat16))
+        return kernel.q8_0_linear(x, self.q, self.d, bias, out, self.int8_activations, *serial_macs())
 
 
 QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
 
 
 @functools.cache
-def serial_macs(*, bfloat16_tiles: bool) -> int:
-    """The kernel's `serial_macs` for a call that takes the bfloat16 tiles
-    where the host has them (blocked formats, bfloat16 activations), or not."""
-    tiles = bfloat16_tiles and "avx512_bf16" in host_cpu.cpu_flags()
-    return native.serial_below(SERIAL_MACS_WHEN_THREADS_SLEEP["bfloat16 tiles" if tiles else "widening"])
+def serial_macs() -> tuple[int, int]:
+    """The kernels' one-thread limits, (bfloat16 tiles, widening). A call
+    uses the limit of the path it takes, and only the build knows which that
+    is (quant_linear.cpp, `SerialMacs`)."""
+    limits = SERIAL_MACS_WHEN_THREADS_SLEEP
+    return native.serial_below(limits["bfloat16 tiles"]), native.serial_below(limits["widening"])
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
