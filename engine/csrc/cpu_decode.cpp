@@ -8,7 +8,8 @@
 // weighted values) are merged at the end, so one long sequence still keeps
 // both cores busy (and with fewer sequences than threads, shorter spans:
 // span_for). Threads take items longest first from a shared counter,
-// since context lengths in a batch vary.
+// since context lengths in a batch vary, each claiming its next one a
+// little early so as to prefetch it (attention_impl).
 //
 // Within an item, positions go kL at a time (a tile: 16, or 8 on AVX2; with
 // 16-position blocks one block or half of one), whole K/V rows (every KV head) at once, so memory is
@@ -256,9 +257,11 @@ inline fv softmax_step(Scratch& st, int64_t h, fv scores, iv valid, int64_t chun
   return p;
 }
 
+// `after`: the item this thread runs next, if it has claimed one, whose
+// first tile is prefetched during this item's last.
 template <typename T, typename KV, int CT>
-void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride0, int64_t q_stride1,
-              const KV* k_cache, const KV* v_cache, int64_t num_heads, float scale, Scratch& st) {
+void run_item(const Item& it, const Item* after, const Seqs& seqs, const T* query, int64_t q_stride0,
+              int64_t q_stride1, const KV* k_cache, const KV* v_cache, int64_t num_heads, float scale, Scratch& st) {
   const int64_t chunks = seqs.head_dim / kL, C = CT ? CT : chunks;
   const int64_t group = num_heads / seqs.num_kv_heads;
   const int64_t s = seqs.seq_ids[it.i];
@@ -294,10 +297,17 @@ void run_item(const Item& it, const Seqs& seqs, const T* query, int64_t q_stride
     // Zen 4 the spread before this one (a third of the rows before each KV
     // head's work) was 1.2-1.4x slower, and other ways of asking slower
     // still (docs/engine.md, "Decode attention in one pass").
-    const int64_t next_count = std::min<int64_t>(kL, std::max<int64_t>(0, it.end - j0 - kAhead));
+    int64_t next_count = std::min<int64_t>(kL, std::max<int64_t>(0, it.end - j0 - kAhead));
     if (next_count) {
       seqs.rows_at(k_cache, s, j0 + kAhead, next_count, next_k);
       seqs.rows_at(v_cache, s, j0 + kAhead, next_count, next_v);
+    } else if (after != nullptr && j0 + kL >= it.end) {
+      // Without this the next item's first tile came from memory
+      // unannounced: 6-9% of a step's attention at 16-64 sequences of
+      // 300-500 positions on a 2-core Zen 4 (docs/engine.md).
+      next_count = std::min<int64_t>(kL, after->end - after->begin);
+      seqs.rows_at(k_cache, seqs.seq_ids[after->i], after->begin, next_count, next_k);
+      seqs.rows_at(v_cache, seqs.seq_ids[after->i], after->begin, next_count, next_v);
     }
     const iv valid = lane < static_cast<int32_t>(count);
     for (int64_t kv = 0; kv < seqs.num_kv_heads; ++kv) {
@@ -402,17 +412,25 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
   };
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t threads = serial ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
   auto worker = [&](int64_t, int64_t) {
     Scratch st(num_heads, chunks);
-    for (int64_t w; (w = next.fetch_add(1)) < num_items;) {
-      run_item<T, KV, CT>(items[w], seqs, query, q_stride0, q_stride1, k_cache, v_cache, num_heads, scale, st);
+    for (int64_t w = next.fetch_add(1); w < num_items;) {
+      // A thread claims its next item before it runs this one (so that it
+      // can prefetch it), but only while more than two items a thread are
+      // left: near the end a claimed item could leave another thread idle,
+      // and a lone sequence's spans must go to different threads.
+      const int64_t claimed = num_items - w > 2 * threads ? next.fetch_add(1) : -1;
+      const Item* after = claimed >= 0 && claimed < num_items ? &items[claimed] : nullptr;
+      run_item<T, KV, CT>(items[w], after, seqs, query, q_stride0, q_stride1, k_cache, v_cache, num_heads, scale,
+                          st);
       finish(items[w], st);
+      w = claimed >= 0 ? claimed : next.fetch_add(1);
     }
   };
-  if (serial || num_items == 1) {
+  if (threads == 1) {
     worker(0, 1);
   } else {
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, threads, 1, worker);
   }
   if (!slot_seq.empty()) merge_spans(out, o_stride0, o_stride1, slot_seq, partials, seqs, num_heads);

@@ -150,3 +150,17 @@ def test_a_float16_cache_over_long_contexts_and_head_shapes(kernel, monkeypatch,
         case = make_case(LONG_DECODES, num_heads=9, num_kv_heads=3, head_dim=head_dim, block_size=16,
                          cache_dtype=torch.float16, seed=head_dim)
         check_backend(_backend("kernel"), case)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_items_claimed_ahead_are_each_run_once(kernel, monkeypatch, threads, dtype):
+    """A thread claims its next item before running the one it holds (to
+    prefetch it) while more than two items a thread remain, and takes them
+    one at a time after: with many items of every length, some split into
+    spans, every row still comes out as the reference's."""
+    monkeypatch.setattr(cpu_decode, "PARALLEL_POSITIONS_WHEN_THREADS_SLEEP", 0)
+    lengths = [(n, 1) for n in (5, 700, 33, 1100, 16, 257, 90, 513, 1, 300, 47, 640, 128, 64, 999, 12, 400, 31)]
+    with torch_threads(threads):
+        case = make_case(lengths, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, seed=11)
+        check_backend(_backend("kernel"), case)
