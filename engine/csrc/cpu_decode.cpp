@@ -258,7 +258,7 @@ inline fv softmax_step(Scratch& st, int64_t h, fv scores, iv valid, int64_t chun
 }
 
 // `after`: the item this thread runs next, if it has claimed one, whose
-// first tile is prefetched during this item's last.
+// first tile is prefetched during this item's last tile.
 template <typename T, typename KV, int CT>
 void run_item(const Item& it, const Item* after, const Seqs& seqs, const T* query, int64_t q_stride0,
               int64_t q_stride1, const KV* k_cache, const KV* v_cache, int64_t num_heads, float scale, Scratch& st) {
@@ -301,10 +301,10 @@ void run_item(const Item& it, const Item* after, const Seqs& seqs, const T* quer
     if (next_count) {
       seqs.rows_at(k_cache, s, j0 + kAhead, next_count, next_k);
       seqs.rows_at(v_cache, s, j0 + kAhead, next_count, next_v);
-    } else if (after != nullptr && j0 + kL >= it.end) {
-      // Without this the next item's first tile came from memory
-      // unannounced: 6-9% of a step's attention at 16-64 sequences of
-      // 300-500 positions on a 2-core Zen 4 (docs/engine.md).
+    } else if (after != nullptr && after->end > after->begin && j0 + kL >= it.end) {
+      // Without this the next item's first tile came from memory with no
+      // prefetch, and a step's attention took ~8% longer at 64 sequences of
+      // ~500 positions on a 2-core Zen 4 (docs/engine.md).
       next_count = std::min<int64_t>(kL, after->end - after->begin);
       seqs.rows_at(k_cache, seqs.seq_ids[after->i], after->begin, next_count, next_k);
       seqs.rows_at(v_cache, seqs.seq_ids[after->i], after->begin, next_count, next_v);

@@ -154,11 +154,12 @@ def test_a_float16_cache_over_long_contexts_and_head_shapes(kernel, monkeypatch,
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_items_claimed_ahead_are_each_run_once(kernel, monkeypatch, threads, dtype):
+def test_no_item_is_skipped_when_claimed_ahead(kernel, monkeypatch, threads, dtype):
     """A thread claims its next item before running the one it holds (to
     prefetch it) while more than two items a thread remain, and takes them
-    one at a time after: with many items of every length, some split into
-    spans, every row still comes out as the reference's."""
+    one at a time after: with 24 items of every length (five sequences split
+    into spans), every row still comes out as the reference's. (An item run
+    twice would write the same values, so that does not show here.)"""
     monkeypatch.setattr(cpu_decode, "PARALLEL_POSITIONS_WHEN_THREADS_SLEEP", 0)
     lengths = [(n, 1) for n in (5, 700, 33, 1100, 16, 257, 90, 513, 1, 300, 47, 640, 128, 64, 999, 12, 400, 31)]
     with torch_threads(threads):
