@@ -246,8 +246,6 @@ def _kernel_calls(name: str):
 def test_the_gil_check_tells_a_held_gil_from_a_released_one():
     """Pure Python holds the GIL throughout (no switch is due); time.sleep
     releases it."""
-    import time
-
     assert not _other_threads_ran_during(lambda: sum(range(200_000)), tries=3)
     assert _other_threads_ran_during(lambda: time.sleep(0.002))
 

@@ -418,9 +418,10 @@ void attention_impl(T* out, int64_t o_stride0, int64_t o_stride1, const T* query
     for (int64_t w = next.fetch_add(1); w < num_items;) {
       // A thread claims its next item before it runs this one (so that it
       // can prefetch it), but only while more than two items a thread are
-      // left: near the end a claimed item could leave another thread idle,
-      // and a lone sequence's spans must go to different threads.
-      const int64_t claimed = num_items - w > 2 * threads ? next.fetch_add(1) : -1;
+      // left unclaimed: near the end a claimed item could leave another
+      // thread idle, and a lone sequence's spans must go to different threads.
+      const int64_t unclaimed = num_items - next.load(std::memory_order_relaxed);
+      const int64_t claimed = unclaimed > 2 * threads ? next.fetch_add(1) : -1;
       const Item* after = claimed >= 0 && claimed < num_items ? &items[claimed] : nullptr;
       run_item<T, KV, CT>(items[w], after, seqs, query, q_stride0, q_stride1, k_cache, v_cache, num_heads, scale,
                           st);

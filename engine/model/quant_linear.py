@@ -71,7 +71,7 @@ Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # call. By the kernel's path: the bfloat16 dot-product tiles (Q4_1 and Q8_0
 # with bfloat16 activations on AVX512-BF16), or a path that widens each
 # weight in software (float32 activations, int8 weights, bfloat16 without
-# AVX512-BF16), about half as fast a multiply-add. On 2 Zen 5 cores under
+# AVX512-BF16), whose multiply-adds take about twice as long. On 2 Zen 5 cores under
 # OMP_WAIT_POLICY=PASSIVE (benchmarks/quant_linear.py, weights streamed
 # from memory), in microseconds, one thread against two: bfloat16 Q4_1 on
 # the 576 x 576 weight at 1 token row 16 against 52, at 16 rows 53 against
