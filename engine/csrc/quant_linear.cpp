@@ -402,14 +402,20 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
   }
 }
 
-// Token rows go 8 at a time, then 4, then one by one. `xsum` holds each
-// group's block sums block-major ([b][row in the group]) from its first
-// row's offset, j * blocks, for dot_rows_blocked's lanes.
+// Token rows go 8 at a time, then the 1 to 7 left in one pass: each pass
+// widens every weight block again, and a decode step's row count is seldom
+// a multiple of 8. Taking the rest 4 and then 1 at a time, a 15-row call
+// made five passes where this makes two; on a 2-core Zen 3 calls of 2, 3,
+// 5, 7 and 15 rows took 1.14-1.68x this one's time (docs/engine.md, "The
+// rows left after the eights, in one pass"). Each row's sums run in
+// the same order in every pass, so the split does not change a bit. `xsum`
+// holds each group's block sums block-major ([b][row in the group]) from
+// its first row's offset, j * blocks, for dot_rows_blocked's lanes.
 template <typename Rows>
 void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
                 const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t blocks = k / kBlock;
-  const auto group_of = [m](int64_t j) -> int64_t { return j + 8 <= m ? 8 : (j + 4 <= m ? 4 : 1); };
+  const auto group_of = [m](int64_t j) -> int64_t { return std::min<int64_t>(8, m - j); };
   std::vector<float> xsum;
   if constexpr (Rows::kScales == 2) {
     xsum.resize(m * blocks);
@@ -430,12 +436,15 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
       const float* xj = x + j * x_stride;
       const float* sj = xsum.data() + j * blocks;
       float* oj = out + j * out_stride + n0;
-      if (g == 8) {
-        dot_rows_blocked<8, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride);
-      } else if (g == 4) {
-        dot_rows_blocked<4, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride);
-      } else {
-        dot_rows_blocked<1, 4>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, 0);
+      switch (g) {
+        case 8: dot_rows_blocked<8, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 7: dot_rows_blocked<7, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 6: dot_rows_blocked<6, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 5: dot_rows_blocked<5, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 4: dot_rows_blocked<4, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 3: dot_rows_blocked<3, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 2: dot_rows_blocked<2, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        default: dot_rows_blocked<1, 4>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, 0);
       }
       j += g;
     }
