@@ -356,7 +356,8 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
   // One weight row against 4 or 8 token rows keeps the m terms in one
   // vector, lane jj for token row jj: the same fma chain as a scalar's, in
   // 1 operation a block instead of JB (8 scalars would not fit in registers
-  // beside 8 accumulators).
+  // beside 8 accumulators). Groups of 2, 3 and 5 to 7 rows keep scalars: a
+  // lane load takes 4 or 8 sums, and would read past a smaller group's.
   constexpr bool kLaneOffsets = kS == 2 && KT == 1 && (JB == 4 || JB == 8);
   for (int64_t k0 = 0; k0 < nk; k0 += KT) {
     int64_t r[KT];
@@ -406,9 +407,11 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
 // widens every weight block again, and a decode step's row count is seldom
 // a multiple of 8. Taking the rest 4 and then 1 at a time, a 15-row call
 // made five passes where this makes two; on a 2-core Zen 3 calls of 2, 3,
-// 5, 7 and 15 rows took 1.14-1.68x this one's time (docs/engine.md, "The
-// rows left after the eights, in one pass"). Each row's sums run in
-// the same order in every pass, so the split does not change a bit. `xsum`
+// 5, 7 and 15 rows took 1.14-1.68x as long that way, 13 rows 1.05-1.10x
+// (docs/engine.md, "The rows left after the eights, in one pass"). The
+// split does not change a bit: each row's sums run the same chain in every
+// group, its m term one fused multiply-add a block whether in a lane or a
+// scalar. `xsum`
 // holds each group's block sums block-major ([b][row in the group]) from
 // its first row's offset, j * blocks, for dot_rows_blocked's lanes.
 template <typename Rows>
@@ -444,6 +447,7 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
         case 4: dot_rows_blocked<4, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
         case 3: dot_rows_blocked<3, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
         case 2: dot_rows_blocked<2, 1>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, out_stride); break;
+        case 1:
         default: dot_rows_blocked<1, 4>(xj, x_stride, sj, rows, scales, n0, nr, k, oj, 0);
       }
       j += g;

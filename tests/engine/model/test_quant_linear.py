@@ -136,8 +136,8 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     tile in bfloat16, and the splits put 1 to 8 rows against it.
     In float32 on AVX-512, calls past 4 rows go 4 at a time over a widened
     tile, then the last 1, 2 or 3 in one pass: 6, 7 and 31 rows reach those
-    last passes. In float32 on AVX2 they go 8 at a time, then the last 1 to
-    7 in one pass: the splits reach every group size."""
+    last passes. On AVX2 every float32 call goes 8 rows at a time, then the
+    last 1 to 7 in one pass: the splits reach every group size from 1 to 8."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
     qws, gen = _weights((102, 96), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
