@@ -411,9 +411,8 @@ void dot_rows_blocked(const float* x, int64_t x_stride, const float* xsum, const
 // (docs/engine.md, "The rows left after the eights, in one pass"). The
 // split does not change a bit: each row's sums run the same chain in every
 // group, its m term one fused multiply-add a block whether in a lane or a
-// scalar. `xsum`
-// holds each group's block sums block-major ([b][row in the group]) from
-// its first row's offset, j * blocks, for dot_rows_blocked's lanes.
+// scalar. `xsum` holds each group's block sums block-major ([b][row in the
+// group]) from its first row's offset, j * blocks, for dot_rows_blocked.
 template <typename Rows>
 void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, int64_t n, int64_t k,
                 const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
