@@ -102,11 +102,15 @@ class Sample:
 
 @dataclass(frozen=True)
 class Stream:
-    """One class of traffic: a tier, its keys, and its arrival rate."""
+    """One class of traffic: a tier, its keys, and its arrival rate.
+    `arrival_seed` draws its arrival times on their own (its keys and
+    prompts still come from the phase's seed), so two phases can send it at
+    the same times with different prompts."""
 
     tier: str
     keys: list[str]
     rate_per_s: float
+    arrival_seed: int | None = None
 
 
 def make_prompt(rng: random.Random, num_tokens: int) -> list[int]:
@@ -145,31 +149,43 @@ async def one_request(client: httpx.AsyncClient, key: str, model: str, prompt: l
     return sample
 
 
+def plan_arrivals(stream: Stream, stream_rng: random.Random, *, duration_s: float,
+                  prompt_tokens: int) -> list[tuple[float, str, list[int]]]:
+    """One stream's Poisson arrivals in `duration_s`: (seconds from the
+    phase's start, key, prompt) each. Times come from `stream.arrival_seed`
+    where it is set, else from `stream_rng` with the keys and prompts."""
+    times = random.Random(stream.arrival_seed) if stream.arrival_seed is not None else stream_rng
+    plan = []
+    at = times.expovariate(stream.rate_per_s)
+    while at < duration_s:
+        plan.append((at, stream_rng.choice(stream.keys), make_prompt(stream_rng, prompt_tokens)))
+        at += times.expovariate(stream.rate_per_s)
+    return plan
+
+
 async def open_loop(base_url: str, model: str, streams: list[Stream], *, duration_s: float,
                     prompt_tokens: int, output_tokens: int, seed: int, grace_s: float) -> list[Sample]:
     """Send every stream's Poisson arrivals for `duration_s`, then give the
     requests still open `grace_s` to end; the rest are cancelled (the client
     disconnects, so the gateway aborts them) and come back with status -1."""
     rng = random.Random(seed)
+    plans = [(s, plan_arrivals(s, random.Random(rng.random()), duration_s=duration_s, prompt_tokens=prompt_tokens))
+             for s in streams]
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.perf_counter()
         tasks: list[asyncio.Task] = []
 
-        async def arrivals(stream: Stream, stream_rng: random.Random) -> None:
-            at = stream_rng.expovariate(stream.rate_per_s)
-            while at < duration_s:
+        async def arrivals(stream: Stream, plan: list[tuple[float, str, list[int]]]) -> None:
+            for at, key, prompt in plan:
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                key = stream_rng.choice(stream.keys)
-                prompt = make_prompt(stream_rng, prompt_tokens)
                 task = asyncio.create_task(one_request(client, key, model, prompt, output_tokens, stream.tier, t0))
                 task.tier, task.sent_at = stream.tier, at  # for a request cancelled before it answers
                 tasks.append(task)
-                at += stream_rng.expovariate(stream.rate_per_s)
 
-        await asyncio.gather(*(arrivals(s, random.Random(rng.random())) for s in streams))
+        await asyncio.gather(*(arrivals(stream, plan) for stream, plan in plans))
         done, pending = await asyncio.wait(tasks, timeout=grace_s) if tasks else (set(), set())
         for task in pending:
             task.cancel()

@@ -57,16 +57,17 @@ class SchedulerConfig:
     standard_prefill_cap_steps: int = setting(
         4096, help="steps after a premium request arrives for which --standard-prefill-tokens holds (0: always, "
                    "premium or not)")
-    # The cap shortens the step in flight; this drops it, while it is in its
-    # first half: its work is done again in a later step, so a premium
-    # arrival costs standard work at most half a step, and its own wait
-    # falls from up to a step to a layer (half a step when it comes past
-    # the middle). Only engines told of premium
-    # arrivals drop steps (the worker, AsyncEngine; not the offline LLM),
-    # and never two standard steps in a row.
+    # The cap shortens the step in flight; this drops it: its work is done
+    # again in a later step, so a premium arrival costs standard work up to
+    # a step, and its own wait falls from up to a step to a layer. Only
+    # engines told of premium arrivals drop steps (the worker, AsyncEngine;
+    # not the offline LLM), and only while the work thrown away stays
+    # within a credit that completed standard steps earn, which keeps the
+    # loss to a third of the standard steps' work, plus a step's worth
+    # (engine/tier_steps.py).
     premium_interrupts_steps: bool = setting(
-        True, help="let a premium arrival wait out the whole standard step in flight (else a step in its "
-                   "first half is dropped and done again after the premium request's)")
+        True, help="let a premium arrival wait out the whole standard step in flight (else the step is "
+                   "dropped, within a credit of work thrown away, and done again after the premium request's)")
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):

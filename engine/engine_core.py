@@ -17,9 +17,9 @@ class EngineCore:
 
     def step(self, interrupt: Callable[[], bool] | None = None) -> StepResult | None:
         """Run one step; None when there was nothing to compute. `interrupt`
-        says whether a premium request is waiting to be scheduled; an
-        interruptible step in its first half is then dropped (a StepResult
-        with usage and no updates)."""
+        says whether a premium request is waiting to be scheduled; a step
+        within its droppable share is then dropped (a StepResult with usage
+        and no updates)."""
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if sched.is_empty and not sched.copies:

@@ -57,7 +57,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, interrupt: Callable[[], bool] | None = None) -> RunnerOutput:
-        """Run the step. While an interruptible step is in its first half,
+        """Run the step. Within its droppable share of the layers,
         `interrupt()` is asked before each layer; when it says yes the step
         stops there, having written only K/V that its requests' positions
         will be written again with, and samples nothing."""
@@ -65,18 +65,18 @@ class ModelRunner:
         self.drop(sched.finished_ids)
         if sched.copies:
             self._copy_blocks(sched.copies)
-        sampled, interrupted = {}, False
+        sampled, interrupted, share_done = {}, False, 0.0
         if sched.requests:
             # With LoRA the batch is reordered so each adapter's tokens are contiguous.
             reqs = self.lora.begin_step(sched.requests) if self.lora else sched.requests
             hook = {}
-            if interrupt is not None and sched.interruptible:
-                hook["before_layer"] = partial(_stop_if, interrupt, self.model.num_layers)
+            if interrupt is not None and sched.droppable_share > 0:
+                hook["before_layer"] = partial(_stop_if, interrupt, sched.droppable_share * self.model.num_layers)
             try:
                 input_ids, positions, meta = self._prepare_inputs(reqs)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, **hook)
-            except _Interrupted:
-                interrupted = True
+            except _Interrupted as stop:
+                interrupted, share_done = True, stop.layer / self.model.num_layers
             finally:
                 if self.lora:
                     self.lora.end_step()
@@ -84,7 +84,7 @@ class ModelRunner:
                 sampled = self._sample(hidden, reqs)
         loads = self.lora.slots.take_loads() if self.lora else ()
         return RunnerOutput(sampled=sampled, busy_time_us=timer.elapsed_us(), adapter_loads=loads,
-                            interrupted=interrupted)
+                            interrupted=interrupted, share_done=share_done)
 
     def _sample(self, hidden: torch.Tensor, reqs: list[ScheduledRequest]) -> dict[str, list[SampledToken]]:
         """Sample every slice with sample=True. Only the rows sampled reach
@@ -173,12 +173,16 @@ def sampling_rows(reqs: list[ScheduledRequest]) -> tuple[list[int], list[Schedul
 class _Interrupted(Exception):
     """Raised between layers to drop the step in flight."""
 
+    def __init__(self, layer: int):
+        super().__init__(layer)
+        self.layer = layer  # the layers run before it
 
-def _stop_if(interrupt: Callable[[], bool], num_layers: int, layer: int) -> None:
-    # Past half way, finishing the step is the shorter wait, and dropping
-    # it would waste more than the premium request gains.
-    if 2 * layer <= num_layers and interrupt():
-        raise _Interrupted
+
+def _stop_if(interrupt: Callable[[], bool], most_layers_run: float, layer: int) -> None:
+    # Past the share the scheduler allows, the drop would spend more of the
+    # standard work's credit than it has (engine/tier_steps.py).
+    if layer <= most_layers_run and interrupt():
+        raise _Interrupted(layer)
 
 
 class _StepTimer:

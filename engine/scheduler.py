@@ -181,21 +181,20 @@ class Scheduler(StepUpdates):
             copies=[c for s in plan.slices.values() for c in s.copies],
             preemptions=plan.preemptions,
             finished_ids=finished,
-            interruptible=self._interruptible(plan),
+            droppable_share=self._droppable_share(plan),
         )
 
-    def _interruptible(self, plan: _StepPlan) -> bool:
+    def _droppable_share(self, plan: _StepPlan) -> float:
         slices = plan.slices.values()
         premium_prefill = any(s.request.tier is Tier.PREMIUM and s.request.num_remaining_tokens > 1 for s in slices)
         standard = any(s.request.tier is Tier.STANDARD for s in slices)
-        if not self.tier_steps.interruptible(self._step_id, premium_prefill, standard):
-            return False
-        if not plan.prefix_hits:
-            return True
+        share = self.tier_steps.droppable_share(self._step_id, premium_prefill, standard)
+        if not share or not plan.prefix_hits:
+            return share
         # A request admitted on blocks that this very step fills would keep
         # them as computed if the step were dropped.
         fresh = {b for s in slices for b in self.kv.fresh_hashed_blocks(s.request)}
-        return fresh.isdisjoint(plan.prefix_hits)
+        return share if fresh.isdisjoint(plan.prefix_hits) else 0.0
 
     # ---- scheduling helpers ----------------------------------------------------------
 

@@ -73,9 +73,10 @@ class SchedulerOutput:
     preemptions: list[Preemption] = field(default_factory=list)
     # Requests that ended since the last step; the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)
-    # Whether the runner may drop this step part way for a premium arrival
-    # (Scheduler.interrupted puts the requests back as they were).
-    interruptible: bool = False
+    # The share of the model's layers within which the runner may drop this
+    # step for a premium arrival; 0: it may not (Scheduler.interrupted puts
+    # the requests back as they were).
+    droppable_share: float = 0.0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,6 +108,7 @@ class RunnerOutput:
     # The step was dropped part way (sampled is empty): its tokens are
     # computed again in a later step.
     interrupted: bool = False
+    share_done: float = 0.0  # of the model's layers, when it was dropped
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ class StepUpdates:
         hashes. Its usage names no request, so the meter books its busy time
         as platform overhead: the requests it held back did not ask for it,
         and which premium request it made way for is not known yet."""
-        self.tier_steps.dropped(sched.step_id)
+        self.tier_steps.dropped(sched.step_id, runner.share_done)
         self.num_steps_dropped += 1
         for item in sched.requests:
             req = self.requests.get(item.request_id)

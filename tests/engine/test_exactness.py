@@ -151,13 +151,36 @@ def test_steps_dropped_for_premium_change_no_token(case):
     assert kv.usage().num_used == 0
 
 
+def test_the_runner_drops_only_within_the_share_and_reports_what_had_run(case):
+    """A step asked to stop before layer k drops there, when k is within
+    its droppable share, and says that k of n layers had run; past the
+    share it is not asked and completes."""
+    model_dir, prompts, _ = case
+    engine = LLM(str(model_dir), max_num_batched_tokens=64).engine
+    runner, scheduler = engine.core.runner, engine.scheduler
+    n = runner.model.num_layers
+    engine.add_request(prompts[0], GREEDY)
+    for share, stop_at, drops in ((1.0, n - 1, True), (0.5, n // 2, True), (0.5, n // 2 + 1, False)):
+        sched = scheduler.schedule()
+        sched.droppable_share = share
+        asked = []
+        out = runner.execute(sched, lambda: asked.append(1) or len(asked) > stop_at)
+        assert out.interrupted is drops and len(asked) == min(stop_at + 1, int(share * n) + 1)
+        if drops:
+            assert out.share_done == stop_at / n and not out.sampled
+            scheduler.interrupted(sched, out)
+        else:
+            assert out.sampled
+            scheduler.update(sched, out)
+
+
 def test_a_premium_prompt_gets_no_hit_on_what_a_dropped_step_was_to_fill(case):
     model_dir, prompts, expected = case
     engine = LLM(str(model_dir), max_num_batched_tokens=64).engine
     long_prompt = max(prompts, key=len)
     first = engine.add_request(long_prompt, GREEDY)
     assert engine.step(interrupt=lambda: True) == []
-    assert engine.core.last_schedule.interruptible
+    assert engine.core.last_schedule.droppable_share > 0
     done = {}
     second = engine.add_request(long_prompt, GREEDY, tier="premium")
     while engine.has_unfinished():

@@ -1,0 +1,33 @@
+"""The benchmarks' open-loop schedule (benchmarks/loadgen.py): a stream
+with its own arrival seed comes at the same times in two phases, with other
+prompts, which is what lets tiers.py compare premium TTFT with and without
+the standard flood on the same arrivals."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from loadgen import Stream, plan_arrivals  # noqa: E402
+
+
+def _plan(stream: Stream, phase_seed: int) -> list[tuple[float, str, list[int]]]:
+    return plan_arrivals(stream, random.Random(phase_seed), duration_s=60.0, prompt_tokens=16)
+
+
+def test_an_arrival_seed_gives_two_phases_the_same_times_and_other_prompts():
+    premium = Stream("premium", ["k1", "k2"], 2.0, arrival_seed=7)
+    idle, over = _plan(premium, 2), _plan(premium, 3)
+    assert len(idle) > 60 and [a for a, _, _ in idle] == [a for a, _, _ in over]
+    assert not {tuple(p) for _, _, p in idle} & {tuple(p) for _, _, p in over}  # no prefix hits across phases
+    assert all(0 < a < 60 for a, _, _ in idle) and [a for a, _, _ in idle] == sorted(a for a, _, _ in idle)
+
+
+def test_without_an_arrival_seed_the_times_follow_the_phase():
+    stream = Stream("standard", ["k"], 2.0)
+    a, b = _plan(stream, 2), _plan(stream, 3)
+    assert [t for t, _, _ in a] != [t for t, _, _ in b]
+    assert _plan(stream, 2) == a  # and a phase's seed repeats it
