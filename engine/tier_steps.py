@@ -28,8 +28,8 @@ MAX_DEFERRED_IN_A_ROW = 2
 # standard steps dropped in a row, each in its first half). But a burst of
 # premium arrivals may now drop the step that redoes a dropped one, and an
 # arrival past a step's middle no longer waits out the rest. On a 2-core
-# CPU under tiers.py's overload that cut the premium TTFT p50 and p90 by
-# 15-27%, and the engine time thrown away grew from 1.3-1.9% to 2.7-4.8%
+# CPU under tiers.py's overload that cut the premium TTFT median by 9-19%,
+# and the engine time thrown away grew from 1.3-1.9% to 2.7-4.8%
 # (docs/benchmarks.md, "Zen 4, a credit for dropped steps").
 DROP_CREDIT_MAX = 1.0
 DROP_CREDIT_EARNED = 0.5
