@@ -34,7 +34,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.host_cpu import default_thread_wait_policy
+from engine.host_cpu import default_thread_wait_policy, lower_priority
 from engine.wire import PROTOCOL_VERSION, Codec, Hello, ProtocolError, Refused, Status, is_local_endpoint, version_mismatch
 from engine.worker_loop import BROADCAST, OUTBOX, SESSION_CLOSED, SESSION_OPEN, EngineLoop, Moved
 
@@ -242,9 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int)
     parser.add_argument("--parent-pid", type=int, help="stop when this process (the supervisor) is gone")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--niceness", type=int, default=0,
+                        help="run this much nicer than the supervisor, on the CPU (engine/host_cpu.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    if args.niceness > 0:
+        from engine.builder import resolve_device
+
+        if resolve_device(config.device).type == "cpu":
+            lower_priority(args.niceness)  # before the engine's threads start: they inherit it
     return run_worker(config, listen=args.listen, secret=os.environ.get("LORAGW_WORKER_SECRET") or None,
                       metrics_port=args.metrics_port, parent_pid=args.parent_pid)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from billing.pricing import PriceBook
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.config_flags import section, setting
+from engine.host_cpu import WORKER_NICENESS
 from gateway.slo import SloConfig
 
 # Shorter tokens are refused at start: the admin token guards every tenant,
@@ -50,6 +51,10 @@ class WorkerPoolConfig:
     workers: int = setting(1, help="local engine worker processes to start and supervise")
     worker_devices: str | None = setting(
         None, help="comma-separated devices, one per local worker (e.g. cuda:0,cuda:1); default: auto")
+    worker_niceness: int = setting(
+        WORKER_NICENESS, flag="--worker-nice",
+        help="how much nicer than the gateway a local CPU worker runs, 0-19, so that its spinning threads "
+             "yield the cores to the event loop (0: the same priority)")
     worker_endpoints: tuple[str, ...] = setting(
         (), flag="--worker", help="attach a worker that runs elsewhere, e.g. tcp://10.0.0.5:7100 (repeatable)")
     # The shared secret the gateway presents to a non-loopback worker. Never
@@ -89,6 +94,8 @@ class WorkerPoolConfig:
                 raise ConfigError("need 0 <= --ray-min-workers <= --ray-max-workers and --ray-max-workers >= 1")
         elif self.workers < 0 or self.workers + len(self.worker_endpoints) < 1:
             raise ConfigError("need at least one worker: --workers N (local) or --worker ENDPOINT")
+        if not 0 <= self.worker_niceness <= 19:
+            raise ConfigError(f"--worker-nice must be 0-19 (the niceness added), not {self.worker_niceness}")
         devices = self.worker_devices.split(",") if self.worker_devices else []
         if devices and len(devices) != self.workers:
             raise ConfigError(f"--worker-devices names {len(devices)} devices for {self.workers} local workers")

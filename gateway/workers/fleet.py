@@ -304,7 +304,7 @@ def build_fleet(config, *, log_level: str = "info", clock: Callable[[], float] =
         devices = pool.worker_devices.split(",") if pool.worker_devices else None
         supervisor = LocalWorkers(config.engine, pool.workers, devices=devices, backoff_s=pool.restart_backoff_s,
                                   backoff_max_s=pool.restart_backoff_max_s, secret=pool.worker_secret,
-                                  log_level=log_level)
+                                  log_level=log_level, niceness=pool.worker_niceness)
         endpoints.update(supervisor.endpoints)
     for i, endpoint in enumerate(pool.worker_endpoints):
         endpoints[f"remote-{i}"] = endpoint

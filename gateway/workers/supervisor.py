@@ -44,7 +44,7 @@ class LocalWorker:
 class LocalWorkers:
     def __init__(self, engine_config, count: int, *, devices: list[str] | None = None, backoff_s: float = 1.0,
                  backoff_max_s: float = 30.0, secret: str | None = None, log_level: str = "info",
-                 clock: Callable[[], float] = time.monotonic):
+                 niceness: int = 0, clock: Callable[[], float] = time.monotonic):
         if devices is not None and len(devices) != count:
             raise ValueError(f"{len(devices)} worker devices for {count} workers")
         self.engine_config = engine_config
@@ -55,6 +55,7 @@ class LocalWorkers:
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.secret = secret
         self.log_level = log_level
+        self.niceness = niceness  # how far below this process a CPU worker runs (engine/host_cpu.py)
         self.clock = clock
         self.on_exit: Callable[[str, int], None] = lambda worker_id, code: None
         self.restarts: dict[str, int] = {w.worker_id: 0 for w in self.workers}
@@ -124,7 +125,7 @@ class LocalWorkers:
             env["LORAGW_WORKER_SECRET"] = self.secret
         argv = [sys.executable, "-m", "engine.worker", "--listen", worker.endpoint,
                 "--config-json", msgspec.json.encode(config).decode(), "--log-level", self.log_level,
-                "--parent-pid", str(os.getpid())]
+                "--parent-pid", str(os.getpid()), "--niceness", str(self.niceness)]
         return await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.DEVNULL)
 

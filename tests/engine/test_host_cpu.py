@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from engine.builder import resolve_dtype
@@ -76,3 +81,42 @@ def test_the_entry_points_set_the_policy_before_torch_loads(tmp_path):
             "import torch; print(os.environ['OMP_WAIT_POLICY'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+LOWER_PRIORITY_PROBE = """
+import os, sys, threading
+from engine.host_cpu import lower_priority
+
+def niceness_of_every_thread():
+    # The kernel's own account: field 19 of each thread's stat, after the
+    # command name (which may hold spaces) in parentheses.
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            out[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
+    return out
+
+hold = threading.Event()
+before = threading.Thread(target=hold.wait)
+before.start()
+start = os.getpriority(os.PRIO_PROCESS, 0)
+lower_priority(int(sys.argv[1]))
+after = threading.Thread(target=hold.wait)
+after.start()
+now = niceness_of_every_thread()
+print(start, sorted(set(now.values())), len(now))
+hold.set()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("niceness", [0, 3, 40])
+def test_lower_priority_reaches_every_thread_before_and_after(niceness):
+    """A worker's threads that exist when it lowers its priority, and those
+    it starts later (torch's pool, the engine's), all run at the niceness
+    added to the one it started with, up to Linux's 19."""
+    out = subprocess.run([sys.executable, "-c", LOWER_PRIORITY_PROBE, str(niceness)], capture_output=True,
+                         text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    start, now, threads = out.stdout.split()
+    assert now == f"[{min(19, int(start) + niceness)}]" and threads == "3"

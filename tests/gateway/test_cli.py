@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from engine.host_cpu import WORKER_NICENESS
 from gateway.cli import _add_serve_parser, _serve_config, main
 from gateway.config import ConfigError, GatewayConfig, TierLimits
 
@@ -211,9 +212,11 @@ def test_worker_pool_flags(monkeypatch, tmp_path):
     config = _serve_config(_serve_args(["--worker-devices", "cuda:0,cuda:1", "--worker", "tcp://10.0.0.5:7100",
                                         "--worker", "tcp://10.0.0.6:7100", "--routing", "round-robin",
                                         "--worker-heartbeat-timeout", "3", "--worker-restart-backoff", "0.5",
-                                        "--worker-restart-backoff-max", "4"]))
+                                        "--worker-restart-backoff-max", "4", "--worker-nice", "0"]))
     pool = config.worker_pool
     assert (pool.workers, pool.worker_devices, pool.routing) == (2, "cuda:0,cuda:1", "round-robin")
+    assert pool.worker_niceness == 0
+    assert _serve_config(_serve_args([])).worker_pool.worker_niceness == WORKER_NICENESS > 0
     assert pool.worker_endpoints == ("tcp://10.0.0.5:7100", "tcp://10.0.0.6:7100")
     assert (pool.heartbeat_timeout_s, pool.restart_backoff_s, pool.restart_backoff_max_s) == (3.0, 0.5, 4.0)
     assert pool.worker_secret is None and "secret" not in repr(pool)
@@ -228,6 +231,8 @@ def test_worker_pool_flags(monkeypatch, tmp_path):
     (["--workers", "2", "--worker-devices", "cuda:0"], "1 devices for 2 local workers"),
     (["--workers", "0"], "at least one worker"),
     (["--worker-restart-backoff", "60"], "backoff"),
+    (["--worker-nice", "20"], "0-19"),
+    (["--worker-nice", "-1"], "0-19"),
 ])
 def test_worker_pool_flags_that_cannot_work_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):

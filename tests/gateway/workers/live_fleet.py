@@ -90,17 +90,19 @@ def record_usage_by_worker(fleet: WorkerFleet) -> dict[str, list[StepUsage]]:
 def start_fleet_server(tmp: Path, model_dir: Path, *, workers: int = 2, policy: str = "affinity",
                        tenants: dict[str, Tier] | None = None, grants=(), adapter_dirs: dict[str, Path] | None = None,
                        db_url: str | None = None, tier_limits: TierLimits = TierLimits(max_waiting=128),
-                       heartbeat_timeout_s: float = 10.0, backoff_s: float = 0.2, **engine_kwargs) -> FleetServer:
+                       heartbeat_timeout_s: float = 10.0, backoff_s: float = 0.2, niceness: int = 0,
+                       **engine_kwargs) -> FleetServer:
     """Tenants (one key each; default "acme", standard), adapter grants
     (name, owner, shared) imported from `adapter_dirs[name]`, and a live
     gateway over `workers` local worker processes (one torch thread each)
-    routed by `policy`; returns once every worker is ready."""
+    routed by `policy`, `niceness` below the gateway; returns once every
+    worker is ready."""
     db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, tenants or {"acme": Tier.STANDARD}, grants)
     engine_kwargs.setdefault("max_loras", 0 if not grants else 4)
     engine = EngineConfig.from_flat(model=str(model_dir), data_dir=str(tmp / "data"), num_threads=1, **engine_kwargs)
     supervisor = LocalWorkers(engine, workers, backoff_s=backoff_s, backoff_max_s=max(backoff_s, 30.0),
-                              log_level="warning")
+                              log_level="warning", niceness=niceness)
     fleet = WorkerFleet(engine, supervisor.endpoints, router=make_router(RoutingConfig(policy=policy), time.monotonic),
                         supervisor=supervisor, heartbeat_timeout_s=heartbeat_timeout_s)
     usage = record_usage_by_worker(fleet)
