@@ -119,4 +119,22 @@ def test_lower_priority_reaches_every_thread_before_and_after(niceness):
                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     start, now, threads = out.stdout.split()
+    assert int(start) < 19 or niceness == 0, "the test runs too nice to see a change"
     assert now == f"[{min(19, int(start) + niceness)}]" and threads == "3"
+
+
+@pytest.mark.parametrize("device, lowered", [("cpu", [5]), ("cuda:0", [])])
+def test_a_supervised_worker_lowers_its_priority_on_the_cpu_only(monkeypatch, device, lowered):
+    """Beside a GPU the worker's one host thread competes with no one, and
+    it keeps the supervisor's niceness."""
+    import msgspec
+
+    from engine import worker
+    from engine.config import EngineConfig
+
+    calls = []
+    monkeypatch.setattr(worker, "lower_priority", calls.append)
+    monkeypatch.setattr(worker, "run_worker", lambda config, **kwargs: 0)
+    config = msgspec.json.encode(EngineConfig.from_flat(device=device)).decode()
+    assert worker.main(["--listen", "ipc:///tmp/unused.sock", "--config-json", config, "--niceness", "5"]) == 0
+    assert calls == lowered

@@ -227,6 +227,19 @@ def test_worker_pool_flags(monkeypatch, tmp_path):
     assert _serve_config(_serve_args([])).worker_pool.worker_secret == "from-env"
 
 
+@pytest.mark.parametrize("argv, niceness", [(["--worker-nice", "7"], 7), ([], WORKER_NICENESS)])
+def test_serve_starts_its_local_workers_at_the_worker_nice(argv, niceness):
+    import shutil
+
+    from gateway.workers.fleet import build_fleet
+
+    fleet = build_fleet(_serve_config(_serve_args(argv)))
+    try:
+        assert fleet.supervisor.niceness == niceness
+    finally:
+        shutil.rmtree(fleet.supervisor._dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "2", "--worker-devices", "cuda:0"], "1 devices for 2 local workers"),
     (["--workers", "0"], "at least one worker"),
