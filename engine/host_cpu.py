@@ -45,8 +45,8 @@ GPU_HOST_THREADS = 1
 # overload, premium first tokens came 5-8% sooner at the median and 4-11% at
 # p90 (three series, two of them reniced from outside), and completed
 # requests did not change (docs/benchmarks.md, "Zen 5, a worker nicer than
-# its gateway"). Beside a GPU the worker keeps one host
-# thread (GPU_HOST_THREADS), competes with no one, and is left as it is.
+# its gateway"). Beside a GPU the worker keeps one host thread
+# (GPU_HOST_THREADS), competes with no one, and is left as it is.
 WORKER_NICENESS = 5
 # /proc/cpuinfo's names: x86 "flags", Arm "Features".
 NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
