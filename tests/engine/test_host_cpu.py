@@ -86,15 +86,7 @@ def test_the_entry_points_set_the_policy_before_torch_loads(tmp_path):
 LOWER_PRIORITY_PROBE = """
 import os, sys, threading
 from engine.host_cpu import lower_priority
-
-def niceness_of_every_thread():
-    # The kernel's own account: field 19 of each thread's stat, after the
-    # command name (which may hold spaces) in parentheses.
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            out[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
-    return out
+from tests.niceness import niceness_of_threads
 
 hold = threading.Event()
 before = threading.Thread(target=hold.wait)
@@ -103,7 +95,7 @@ start = os.getpriority(os.PRIO_PROCESS, 0)
 lower_priority(int(sys.argv[1]))
 after = threading.Thread(target=hold.wait)
 after.start()
-now = niceness_of_every_thread()
+now = niceness_of_threads()
 print(start, sorted(set(now.values())), len(now))
 hold.set()
 """

@@ -10,15 +10,7 @@ import pytest
 
 from engine.host_cpu import WORKER_NICENESS
 from tests.gateway.workers.live_fleet import start_fleet_server, stream_completion
-
-
-def _niceness_of_threads(pid: int) -> dict[int, int]:
-    """The kernel's account: field 19 of each thread's stat, after the
-    command name in parentheses."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out[int(task.name)] = int((task / "stat").read_text().rpartition(")")[2].split()[16])
-    return out
+from tests.niceness import niceness_of_threads
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
@@ -31,7 +23,7 @@ def test_a_local_cpu_worker_runs_every_thread_nicer_than_its_gateway(tiny_llama_
         result = stream_completion(server.url, server.key, body, request_id="nice-0")
         assert (result.status, result.errors, result.done) == (200, [], True), result
         gateway = os.getpriority(os.PRIO_PROCESS, 0)
-        threads = _niceness_of_threads(server.supervisor.pid("0"))
+        threads = niceness_of_threads(server.supervisor.pid("0"))
         # The I/O thread, the engine thread and torch's: every one of them.
         assert len(threads) >= 3
         assert set(threads.values()) == {min(19, gateway + WORKER_NICENESS)}
