@@ -14,7 +14,12 @@ Idle OpenMP threads spin here (OMP_WAIT_POLICY=ACTIVE), as `loragw serve`
 runs them, unless the environment says otherwise; throughput.py lets them
 sleep, which adds a wake-up to every small parallel call.
 
-    python benchmarks/step_parts.py [--dtype bfloat16] [--num-requests 64] [--out PATH]
+The serving benchmark's shape at concurrency 16 (benchmarks/serve_peer.py:
+prompts of 20 to 180 words, outputs of mean ~60) is, offline,
+`--max-num-seqs 16 --prompt-range 30 200 --mean-output 60`.
+
+    python benchmarks/step_parts.py [--dtype bfloat16] [--num-requests 64] [--max-num-seqs N]
+        [--prompt-range MIN MAX] [--mean-output N] [--out PATH]
 """
 
 from __future__ import annotations
@@ -68,11 +73,13 @@ def time_parts(runner, spent: Counter) -> None:
 def run(args) -> dict:
     from engine import LLM
 
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
     warm_up_engine(llm, llm.tokenizer)
     spent: Counter = Counter()
     time_parts(llm.engine.core.runner, spent)
-    workload = make_workload(args.num_requests, args.seed, llm.tokenizer)
+    low, high = args.prompt_range
+    workload = make_workload(args.num_requests, args.seed, llm.tokenizer, min_prompt=low, max_prompt=high,
+                             mean_output=args.mean_output)
     engine = llm.engine
     for prompt, length in zip(workload.prompts, workload.output_lens):
         engine.add_request(prompt, forced_params(length))
@@ -101,6 +108,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="engine default if unset")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
+                        help="prompt tokens, uniform (default 32 512, as throughput.py)")
+    parser.add_argument("--mean-output", type=int, default=128, help="mean of the geometric output lengths")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result = {"args": vars(args), "machine": machine_facts(), "load_before": load_average()}

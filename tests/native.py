@@ -18,16 +18,22 @@ def built_or_skip(load_kernel, what: str):
     return kernel
 
 
+class _Recording(SimpleNamespace):
+    def __getattr__(self, name: str):  # only for what the namespace lacks: the kernel's other bindings
+        return getattr(self.kernel, name)
+
+
 def recording(kernel, method: str) -> SimpleNamespace:
     """`kernel` with its `method` wrapped: `.handled` lists what each call
-    returned (True: the kernel did the work; False: it handed it back)."""
+    returned (True: the kernel did the work; False: it handed it back). Its
+    other bindings are the kernel's own."""
     handled: list[bool] = []
 
     def call(*args):
         handled.append(getattr(kernel, method)(*args))
         return handled[-1]
 
-    return SimpleNamespace(**{method: call, "handled": handled})
+    return _Recording(**{method: call, "handled": handled, "kernel": kernel})
 
 
 @contextmanager

@@ -453,6 +453,113 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
     }
   });
 }
+
+// Q4_1 with float32 activations on AVX2, the weight rows interleaved 8 at a
+// time (q4_1_interleave below): lanes run over 8 weight rows, not along K.
+// A block's k-th weights of the 8 rows come out of one 8-byte load as a
+// vector, d q + m in one fused multiply-add, which is exactly the float
+// weight (d q is exact in float32: 4 bits of q times float16's 11), and
+// each token row multiplies it by its activation k broadcast from memory.
+// So a weight vector costs a widening and two floating operations once for
+// all the token rows, and each token row one multiply-add per 8 weights,
+// where f32_blocks pays a fifth multiply-add a block for every token row
+// and a horizontal sum: on a 2-core Zen 3, 1.3-1.5x faster at 8 to 16 rows
+// and about level at 1 to 4 (docs/engine.md, "Q4_1 rows interleaved").
+// Every output is one chain of multiply-adds over K in the same order (a
+// block's element i, then 16 + i, for i = 0 .. 15; blocks in order)
+// whatever the row count and the tile shape, so a verifying sequence
+// scores a token as its one-row decode does.
+struct Q41Interleaved {
+  const uint8_t* nib;  // [G, B, 16, 8]: (i, r) holds row 8g + r's element i (low nibble) and 16 + i (high)
+  const c10::Half* dm;  // [G, B, 2, 8]: d then m of the group's 8 rows
+  int64_t blocks;
+};
+
+// y[j * y_stride + 8 g + r] for the JB token rows of xt ([K][JB], token
+// rows innermost) and the NV groups from g0.
+template <int JB, int NV>
+void interleaved_tile(const Q41Interleaved& w, const float* xt, int64_t g0, float* y, int64_t y_stride) {
+  // Every loop over the accumulators unrolled, or GCC keeps them in memory
+  // (a memset, then a store of each one every iteration).
+  __m256 acc[JB][NV];
+  _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j)
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m256 d[NV], m[NV];
+    const uint8_t* nib[NV];
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) {
+      const c10::Half* s = w.dm + ((g0 + v) * w.blocks + b) * 16;
+      d[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      m[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
+      nib[v] = w.nib + ((g0 + v) * w.blocks + b) * (kBlock / 2) * 8;
+    }
+    const float* xb = xt + b * kBlock * JB;
+    _Pragma("GCC unroll 2") for (int i = 0; i < kBlock / 2; ++i) {
+      __m256i bytes[NV];
+      __m256 wv[NV];
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) {
+        bytes[v] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nib[v] + i * 8)));
+        wv[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes[v], low)), d[v], m[v]);
+      }
+      _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j) {
+        const __m256 xv = _mm256_broadcast_ss(xb + i * JB + j);
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(xv, wv[v], acc[j][v]);
+      }
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v)
+        wv[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes[v], 4)), d[v], m[v]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j) {
+        const __m256 xv = _mm256_broadcast_ss(xb + (i + kBlock / 2) * JB + j);
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(xv, wv[v], acc[j][v]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j)
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) _mm256_storeu_ps(y + j * y_stride + (g0 + v) * 8, acc[j][v]);
+}
+
+// Groups g0 .. g1 for JB token rows, NV groups a tile, then one at a time.
+template <int JB, int NV>
+void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, int64_t g1, float* y, int64_t y_stride) {
+  int64_t g = g0;
+  for (; g + NV <= g1; g += NV) interleaved_tile<JB, NV>(w, xt, g, y, y_stride);
+  for (; g < g1; ++g) interleaved_tile<JB, 1>(w, xt, g, y, y_stride);
+}
+
+// Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
+// f32_blocks. NV keeps JB * NV accumulators, NV weight vectors and a few
+// temporaries within AVX2's 16 registers; a single row takes 8 groups, as
+// each weight vector serves one multiply-add there.
+void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
+                     const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
+  const int64_t groups = n / 8;
+  // Each pass's activations transposed, [K][rows of the pass], so that a
+  // token row's k-th value is a broadcast at a fixed offset.
+  std::vector<float> xt(m * k);
+  for (int64_t j0 = 0; j0 < m; j0 += 8) {
+    const int64_t g = std::min<int64_t>(8, m - j0);
+    float* dst = xt.data() + j0 * k;
+    for (int64_t jj = 0; jj < g; ++jj)
+      for (int64_t c = 0; c < k; ++c) dst[c * g + jj] = x[(j0 + jj) * x_stride + c];
+  }
+  at::parallel_for(0, groups, std::max<int64_t>(1, min_rows / 8), [&](int64_t g0, int64_t g1) {
+    for (int64_t j0 = 0; j0 < m; j0 += 8) {
+      const float* xj = xt.data() + j0 * k;
+      float* oj = out + j0 * out_stride;
+      switch (std::min<int64_t>(8, m - j0)) {
+        case 8: interleaved_groups<8, 1>(w, xj, g0, g1, oj, out_stride); break;
+        case 7: interleaved_groups<7, 1>(w, xj, g0, g1, oj, out_stride); break;
+        case 6: interleaved_groups<6, 1>(w, xj, g0, g1, oj, out_stride); break;
+        case 5: interleaved_groups<5, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 4: interleaved_groups<4, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 3: interleaved_groups<3, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 2: interleaved_groups<2, 3>(w, xj, g0, g1, oj, out_stride); break;
+        default: interleaved_groups<1, 4>(w, xj, g0, g1, oj, out_stride);
+      }
+    }
+    if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, g0 * 8, (g1 - g0) * 8);
+  });
+}
 #endif
 
 #ifdef LORAGW_INT8_ACTIVATIONS
@@ -1109,11 +1216,41 @@ bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   return true;
 }
 
+// Whether float32 Q4_1 calls in this build take the weight interleaved
+// (q4_1_interleave; interleaved_f32): AVX2 hosts without AVX-512.
+bool q4_1_interleaves() {
+#ifdef LORAGW_BLOCKED_F32
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q [N, K / 2] uint8 and dm [N, K / 32, 2] float16 (q4_1_linear's) -> the
+// same values with the rows interleaved 8 at a time (Q41Interleaved): nib
+// [N / 8, K / 32, 16, 8] uint8 and dm [N / 8, K / 32, 2, 8] float16.
+// N must be a multiple of 8.
+std::vector<torch::Tensor> q4_1_interleave(const torch::Tensor& q, const torch::Tensor& dm) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && dm.scalar_type() == at::kHalf && dm.dim() == 3 &&
+                  dm.size(0) == q.size(0) && dm.size(1) * (kBlock / 2) == q.size(1) && dm.size(2) == 2 &&
+                  q.size(0) % 8 == 0,
+              "q4_1_interleave: q ", q.sizes(), ", dm ", dm.sizes());
+  const int64_t n = q.size(0), blocks = dm.size(1);
+  // byte (g, b, i, r) = q[8 g + r, b, i]: the row's block bytes already pair
+  // element i (low nibble) with 16 + i (high).
+  auto nib = q.view({n / 8, 8, blocks, kBlock / 2}).permute({0, 2, 3, 1}).contiguous();
+  auto dmi = dm.view({n / 8, 8, blocks, 2}).permute({0, 2, 3, 1}).contiguous();
+  return {nib, dmi};
+}
+
 // x [M, K] float32|bfloat16 with K % 32 == 0, q [N, K / 2] uint8, dm
 // [N, K / 32, 2] float16, bias [N] or none, out [M, N] in x's dtype.
+// `interleaved`: q4_1_interleave(q, dm), which float32 calls without int8
+// activations take where q4_1_interleaves(); none, or empty, elsewhere.
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
-                 int64_t serial_macs_tiles, int64_t serial_macs_widening) {
+                 int64_t serial_macs_tiles, int64_t serial_macs_widening,
+                 const std::vector<torch::Tensor>& interleaved) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
@@ -1121,6 +1258,24 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
+#ifdef LORAGW_BLOCKED_F32
+  if (!interleaved.empty() && x.scalar_type() == at::kFloat && !int8_activations) {
+    const auto& nib = interleaved.at(0);
+    const auto& dmi = interleaved.at(1);
+    const int64_t n = q.size(0), blocks = k / kBlock;
+    TORCH_CHECK(nib.scalar_type() == at::kByte && nib.is_contiguous() && nib.numel() == q.numel() &&
+                    dmi.scalar_type() == at::kHalf && dmi.is_contiguous() && dmi.numel() == dm.numel() && n % 8 == 0,
+                "q4_1_linear: interleaved ", nib.sizes(), ", ", dmi.sizes(), " for q ", q.sizes());
+    TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
+    TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
+    const int64_t macs = x.size(0) * n * k;
+    interleaved_f32(x.data_ptr<float>(), x.stride(0), x.size(0),
+                    Q41Interleaved{nib.data_ptr<uint8_t>(), dmi.data_ptr<c10::Half>(), blocks}, n, k,
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0),
+                    macs < serial_macs_widening ? kOneThread : kMinRows);
+    return true;
+  }
+#endif
   dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out,
            SerialMacs{serial_macs_tiles, serial_macs_widening}, int8_activations);
   return true;
@@ -1154,6 +1309,8 @@ bool uses_amx() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_amx", &uses_amx, "uses_amx");
   m.def("int8_activations_built", &int8_activations_built, "int8_activations_built");
+  m.def("q4_1_interleaves", &q4_1_interleaves, "q4_1_interleaves");
+  m.def("q4_1_interleave", torch::wrap_pybind_function_no_gil(q4_1_interleave), "q4_1_interleave");
   // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
   m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");
   m.def("q4_1_linear", torch::wrap_pybind_function_no_gil(q4_1_linear), "q4_1_linear");

@@ -209,6 +209,61 @@ def test_the_bfloat16_tiles_run_on_amx_where_the_host_has_it(kernel):
     assert kernel.uses_amx()
 
 
+def _interleaved_reference(qw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q41Interleaved's layout (quant_linear.cpp) built element by element:
+    byte (g, b, i, r) is row 8 g + r's block-b byte i, and (g, b, 0 or 1, r)
+    its d or m."""
+    n, k = qw.shape
+    blocks = k // 32
+    nib = torch.empty(n // 8, blocks, 16, 8, dtype=torch.uint8)
+    dm = torch.empty(n // 8, blocks, 2, 8, dtype=torch.float16)
+    for row in range(n):
+        g, r = divmod(row, 8)
+        for b in range(blocks):
+            nib[g, b, :, r] = qw.q[row, b * 16:(b + 1) * 16]
+            dm[g, b, :, r] = qw.dm[row, b]
+    return nib, dm
+
+
+def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
+    """On an AVX2 build without AVX-512 a float32 Q4_1 call reads the copy
+    of the weight with its rows interleaved 8 at a time, made on the first
+    call; the tests above hold that path to the reference there. Here: the
+    copy's layout, element by element, and that the kernel reads it (a
+    changed copy changes the output). Elsewhere no copy is made."""
+    qw = quant_linear.quantize_q4_1(torch.randn(24, 64, generator=torch.Generator().manual_seed(4)))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    out = torch.empty(3, 24)
+    assert qw.run_kernel(kernel, x, None, out)
+    if not kernel.q4_1_interleaves():
+        assert qw.interleaved_copy == []
+        return
+    nib, dm = qw.interleaved_copy
+    ref_nib, ref_dm = _interleaved_reference(qw)
+    assert torch.equal(nib, ref_nib) and torch.equal(dm, ref_dm)
+    assert qw.nbytes == 2 * (qw.q.nbytes + qw.dm.nbytes)
+    qw.interleaved_copy = [torch.zeros_like(nib), dm]  # every q 0: each weight is its block's m
+    changed = torch.empty(3, 24)
+    assert qw.run_kernel(kernel, x, None, changed)
+    m = qw.dm[:, :, 1].double().repeat_interleave(32, dim=1)
+    torch.testing.assert_close(changed.double(), x.double() @ m.T, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(changed, out)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "int8_activations"])
+def test_q4_1_makes_no_interleaved_copy_for_calls_that_do_not_read_it(kernel, case):
+    """Only float32 activations without int8 rounding take the interleaved
+    path, so the other calls leave the weight's memory as it was."""
+    qw = quant_linear.quantize_q4_1(torch.randn(16, 64))
+    x = torch.randn(2, 64)
+    if case == "bfloat16":
+        x = x.to(torch.bfloat16)
+    else:
+        qw = replace(qw, int8_activations=True)
+    assert qw.interleaved(kernel, x) == []
+    assert qw.interleaved_copy is None
+
+
 @pytest.mark.parametrize("case", ["float16", "k_not_multiple_of_32"])
 def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
     k = 48 if case == "k_not_multiple_of_32" else 64
@@ -224,7 +279,7 @@ def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
 def test_a_shape_mismatch_raises(kernel):
     qw = quant_linear.quantize_q4_1(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="q4_1_linear"):
-        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0)
+        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0, [])
 
 
 @pytest.fixture(scope="module")
