@@ -463,8 +463,8 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
 // So a weight vector costs a widening and two floating operations once for
 // all the token rows, and each token row one multiply-add per 8 weights,
 // where f32_blocks pays a fifth multiply-add a block for every token row
-// and a horizontal sum: on a 2-core Zen 3, 1.3-1.5x faster at 8 to 16 rows
-// and about level at 1 to 4 (docs/engine.md, "Q4_1 rows interleaved").
+// and a horizontal sum: on a 2-core Zen 3 a layer's four calls ran 1.2-1.6x
+// faster at 1 to 16 rows (docs/engine.md, "Q4_1 rows interleaved").
 // Every output is one chain of multiply-adds over K in the same order (a
 // block's element i, then 16 + i, for i = 0 .. 15; blocks in order)
 // whatever the row count and the tile shape, so a verifying sequence
@@ -527,9 +527,9 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
 }
 
 // Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
-// f32_blocks. NV keeps JB * NV accumulators, NV weight vectors and a few
-// temporaries within AVX2's 16 registers; a single row takes 8 groups, as
-// each weight vector serves one multiply-add there.
+// f32_blocks. NV keeps JB * NV accumulators and NV weight vectors within
+// AVX2's 16 registers; for 1 to 3 rows it was picked by timing (a single
+// row over 8 groups spilled and ran slower than over 4).
 void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                      const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t groups = n / 8;
@@ -1260,11 +1260,15 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
 #ifdef LORAGW_BLOCKED_F32
   if (!interleaved.empty() && x.scalar_type() == at::kFloat && !int8_activations) {
-    const auto& nib = interleaved.at(0);
-    const auto& dmi = interleaved.at(1);
     const int64_t n = q.size(0), blocks = k / kBlock;
-    TORCH_CHECK(nib.scalar_type() == at::kByte && nib.is_contiguous() && nib.numel() == q.numel() &&
-                    dmi.scalar_type() == at::kHalf && dmi.is_contiguous() && dmi.numel() == dm.numel() && n % 8 == 0,
+    TORCH_CHECK(interleaved.size() == 2 && n % 8 == 0, "q4_1_linear: ", interleaved.size(),
+                " interleaved tensors for q ", q.sizes());
+    const auto& nib = interleaved[0];
+    const auto& dmi = interleaved[1];
+    TORCH_CHECK(nib.scalar_type() == at::kByte && nib.is_contiguous() &&
+                    nib.sizes() == at::IntArrayRef({n / 8, blocks, kBlock / 2, 8}) &&
+                    dmi.scalar_type() == at::kHalf && dmi.is_contiguous() &&
+                    dmi.sizes() == at::IntArrayRef({n / 8, blocks, 2, 8}),
                 "q4_1_linear: interleaved ", nib.sizes(), ", ", dmi.sizes(), " for q ", q.sizes());
     TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
     TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());

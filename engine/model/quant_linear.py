@@ -30,8 +30,8 @@ by the block's d once and m taken out of the sum, which made a one-row
 call about 3x faster there (docs/engine.md); Q4_1 there goes further and
 reads a copy of its rows interleaved 8 at a time (`Q41Weight.interleaved`,
 made on the first call), so that lanes run over weight rows and each token
-row pays one multiply-add per 8 weights (1.3-1.5x faster at 8 to 16 rows
-on a 2-core Zen 3). With float32 activations on
+row pays one multiply-add per 8 weights (a layer's calls 1.2-1.6x faster
+at 1 to 16 rows on a 2-core Zen 3). With float32 activations on
 AVX-512, a call of more than 4 rows widens each tile of weight rows once
 per thread, into float32, and runs the widening loop's sums over it, bit
 for bit (26-41% faster at 32-64 rows on a 2-core Intel Xeon). Larger calls (long prefill
@@ -119,7 +119,8 @@ class Q41Weight:
     # The kernel's copy of q and dm with the rows interleaved 8 at a time,
     # for its float32 calls on a build that takes one (`interleaved`); []
     # where it takes none, None until the first such call.
-    interleaved_copy: list[torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # Not an init field, so that `replace` (a changed q, say) starts without one.
+    interleaved_copy: list[torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -137,8 +138,9 @@ class Q41Weight:
         if x.dtype != torch.float32 or self.int8_activations:
             return []
         if self.interleaved_copy is None:
+            takes = self.q.shape[0] % 8 == 0 and self.q.is_contiguous() and self.dm.is_contiguous()
             self.interleaved_copy = (kernel.q4_1_interleave(self.q, self.dm)
-                                     if kernel.q4_1_interleaves() and self.q.shape[0] % 8 == 0 else [])
+                                     if takes and kernel.q4_1_interleaves() else [])
         return self.interleaved_copy
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

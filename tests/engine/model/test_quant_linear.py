@@ -128,7 +128,8 @@ def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [13, 37])
 @pytest.mark.parametrize("cancelling", [False, True], ids=["random", "cancelling"])
-def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows, cancelling):
+@pytest.mark.parametrize("n", [102, 104])
+def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows, cancelling, n):
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
     change with speculation on. 37 rows take three of AMX's 16-row tiles, in
@@ -137,17 +138,20 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     In float32 on AVX-512, calls past 4 rows go 4 at a time over a widened
     tile, then the last 1, 2 or 3 in one pass: 6, 7 and 31 rows reach those
     last passes. On AVX2 every float32 call goes 8 rows at a time, then the
-    last 1 to 7 in one pass: the splits reach every group size from 1 to 8."""
+    last 1 to 7 in one pass: the splits reach every group size from 1 to 8.
+    There, Q4_1 with 104 weight rows (13 groups of 8) reads them interleaved,
+    in tiles of 1 to 4 groups and a remainder of single groups; 102 rows,
+    not a multiple of 8, keep the blocked path."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
-    qws, gen = _weights((102, 96), seed=4, twin_blocks=cancelling)
+    qws, gen = _weights((n, 96), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     if cancelling:
         x = _cancelling_rows(x)
-    together = torch.empty(rows, 102, dtype=dtype)
+    together = torch.empty(rows, n, dtype=dtype)
     assert qw.run_kernel(kernel, x, None, together)
     for split in ((1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8), (6, rows - 6)):
-        parts = [torch.empty(len(rows), 102, dtype=dtype) for rows in x.split(split)]
+        parts = [torch.empty(len(rows), n, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
             assert qw.run_kernel(kernel, rows, None, out)
         assert torch.equal(torch.cat(parts), together), split
@@ -155,20 +159,23 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_call_kept_on_the_calling_thread_sums_as_one_spread_over_the_threads(kernel, fmt, dtype, monkeypatch):
+@pytest.mark.parametrize("n", [300, 304])
+def test_a_call_kept_on_the_calling_thread_sums_as_one_spread_over_the_threads(kernel, fmt, dtype, monkeypatch, n):
     """Where idle threads sleep, a call of fewer multiply-adds than
     `serial_macs` stays on the calling thread: that moves tiles between
     threads, never a sum. 300 weight rows make 19 tiles, more than one
-    thread's share. (Which thread ran a tile does not show from here: this
-    checks the sums and that every tile was done, not the split.)"""
-    qws, gen = _weights((300, 96), seed=5)
+    thread's share; 304 (38 groups of 8) take the interleaved Q4_1 path
+    where the build has it, whose threads split the groups. (Which thread
+    ran a tile does not show from here: this checks the sums and that every
+    tile was done, not the split.)"""
+    qws, gen = _weights((n, 96), seed=5)
     qw = qws[fmt]
     for rows in (1, 6, 20):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         outs = []
         for threshold in (0, 1 << 62):  # over the threads, then all on this one
             monkeypatch.setattr(quant_linear, "serial_macs", lambda threshold=threshold: (threshold, threshold))
-            outs.append(torch.empty(rows, 300, dtype=dtype))
+            outs.append(torch.empty(rows, n, dtype=dtype))
             assert qw.run_kernel(kernel, x, None, outs[-1])
         assert torch.equal(outs[0], outs[1]), rows
         torch.testing.assert_close(outs[1].double(), x.double() @ naive_weight(qw).T, **TOLERANCE[dtype])
@@ -231,6 +238,8 @@ def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
     call; the tests above hold that path to the reference there. Here: the
     copy's layout, element by element, and that the kernel reads it (a
     changed copy changes the output). Elsewhere no copy is made."""
+    flags = host_cpu.cpu_flags()
+    assert kernel.q4_1_interleaves() == ({"avx2", "f16c"} <= flags and "avx512f" not in flags)
     qw = quant_linear.quantize_q4_1(torch.randn(24, 64, generator=torch.Generator().manual_seed(4)))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
     out = torch.empty(3, 24)
@@ -242,11 +251,13 @@ def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
     ref_nib, ref_dm = _interleaved_reference(qw)
     assert torch.equal(nib, ref_nib) and torch.equal(dm, ref_dm)
     assert qw.nbytes == 2 * (qw.q.nbytes + qw.dm.nbytes)
-    qw.interleaved_copy = [torch.zeros_like(nib), dm]  # every q 0: each weight is its block's m
+    doubled_m = dm.clone()
+    doubled_m[:, :, 1] *= 2
+    qw.interleaved_copy = [torch.zeros_like(nib), doubled_m]  # every q 0: each weight is twice its block's m
     changed = torch.empty(3, 24)
     assert qw.run_kernel(kernel, x, None, changed)
     m = qw.dm[:, :, 1].double().repeat_interleave(32, dim=1)
-    torch.testing.assert_close(changed.double(), x.double() @ m.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(changed.double(), x.double() @ (2 * m).T, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(changed, out)
 
 
