@@ -1132,16 +1132,27 @@ struct SerialMacs {
   int64_t tiles, widening;
 };
 
+// out [M, N] and bias [N] against x [M, K] and the weight's n rows.
+void check_out_and_bias(const torch::Tensor& x, int64_t n, const c10::optional<torch::Tensor>& bias,
+                        const torch::Tensor& out) {
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
+  TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
+}
+
+// `min_rows` for a path that widens each weight in software.
+int64_t widening_min_rows(int64_t macs, SerialMacs serial) {
+  return macs < serial.widening ? kOneThread : kMinRows;
+}
+
 // `int8_activations`: float32 activations rounded to int8 (int8_blocks),
 // for the blocked formats where this build has that path; the caller asks
 // `int8_activations_built` first.
 template <typename Rows>
 void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::optional<torch::Tensor>& bias,
               torch::Tensor& out, SerialMacs serial, bool int8_activations = false) {
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
-  TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
+  check_out_and_bias(x, n, bias, out);
   const int64_t macs = x.size(0) * n * x.size(1);
-  const int64_t min_rows = macs < serial.widening ? kOneThread : kMinRows;
+  const int64_t min_rows = widening_min_rows(macs, serial);
   if (x.scalar_type() == at::kFloat) {
 #ifdef LORAGW_INT8_ACTIVATIONS
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {
@@ -1270,13 +1281,11 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
                     dmi.scalar_type() == at::kHalf && dmi.is_contiguous() &&
                     dmi.sizes() == at::IntArrayRef({n / 8, blocks, 2, 8}),
                 "q4_1_linear: interleaved ", nib.sizes(), ", ", dmi.sizes(), " for q ", q.sizes());
-    TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "quant linear: x ", x.sizes(), ", out ", out.sizes());
-    TORCH_CHECK(!bias.has_value() || bias->size(0) == n, "quant linear: bias ", bias->sizes());
-    const int64_t macs = x.size(0) * n * k;
+    check_out_and_bias(x, n, bias, out);
     interleaved_f32(x.data_ptr<float>(), x.stride(0), x.size(0),
                     Q41Interleaved{nib.data_ptr<uint8_t>(), dmi.data_ptr<c10::Half>(), blocks}, n, k,
                     bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0),
-                    macs < serial_macs_widening ? kOneThread : kMinRows);
+                    widening_min_rows(x.size(0) * n * k, SerialMacs{serial_macs_tiles, serial_macs_widening}));
     return true;
   }
 #endif
