@@ -4,21 +4,31 @@ a worker is saturated (issue 13).
 Real worker processes on the tiny random Llama behind a live gateway. The
 event loop test reads its 64 streams from one thread that only `select`s
 and `recv`s raw sockets, so the test's own clients take little of the
-interpreter lock the gateway's event loop needs.
+interpreter lock the gateway's event loop needs, and times /health from a
+process of its own, as a prober does. The gateway shares the pytest
+process, so the test gives it what `loragw serve` gives it: a worker at
+the serving niceness and a frozen heap (below).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import os
 import selectors
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from engine.host_cpu import WORKER_NICENESS
 from engine.request import Tier
 from tests.gateway.hangups import hang_up, send_request
 from tests.gateway.live import wait_for
@@ -105,29 +115,61 @@ class _Drain:
         self.selector.close()
 
 
+# The prober: a process of its own, so that its timings hold none of the
+# waits for the interpreter lock that a thread in the gateway's process
+# would add (each socket call gives the lock up and waits to get it back
+# from a busy event loop). One kept-alive connection, as a kubelet's
+# probes or a load balancer's health checks use.
+_PROBER = """
+import http.client, json, sys, time
+host, port, samples, interval = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+conn = http.client.HTTPConnection(host, port, timeout=5)
+latencies = []
+for _ in range(samples):
+    t0 = time.perf_counter()
+    conn.request("GET", "/health")
+    response = conn.getresponse()
+    response.read()
+    latencies.append(time.perf_counter() - t0)
+    if response.status != 200:
+        sys.exit(f"/health answered {response.status}")
+    time.sleep(interval)
+print(json.dumps(latencies))
+"""
+
+
 def _sample_health(url: str) -> list[float]:
-    """SAMPLES timed GETs of /health about SAMPLE_INTERVAL_S apart, on a
-    thread and a client of their own."""
-    latencies: list[float] = []
-
-    def run() -> None:
-        with httpx.Client(timeout=5) as client:
-            for _ in range(SAMPLES):
-                t0 = time.perf_counter()
-                r = client.get(f"{url}/health")
-                latencies.append(time.perf_counter() - t0)
-                assert r.status_code == 200
-                time.sleep(SAMPLE_INTERVAL_S)
-
-    thread = threading.Thread(target=run, name="health-sampler")
-    thread.start()
-    thread.join(timeout=120)
-    assert not thread.is_alive() and len(latencies) == SAMPLES
+    """SAMPLES timed GETs of /health about SAMPLE_INTERVAL_S apart, from a
+    process of their own."""
+    where = urlsplit(url)
+    probe = subprocess.run([sys.executable, "-c", _PROBER, where.hostname, str(where.port), str(SAMPLES),
+                            str(SAMPLE_INTERVAL_S)], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    latencies = json.loads(probe.stdout)
+    assert len(latencies) == SAMPLES
     return latencies
 
 
+@contextlib.contextmanager
+def _heap_frozen_as_served():
+    """`loragw serve` freezes its startup heap, so no full pass of the
+    collector walks it (engine/heap.py). Here the gateway lives in the
+    pytest process, whose heap holds every earlier test's objects: a full
+    pass over it stalled the event loop for 0.4-0.5 s even in a run of this
+    test alone (two Zen 5 cores), a stall the served gateway does not have. Frozen for the measurement only, then handed
+    back to the collector, so nothing outlives the test."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def test_health_p99_stays_under_50ms_while_one_worker_runs_64_streams(tiny_llama_dir, tmp_path):
-    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", workers=1, num_kv_blocks=KV_BLOCKS)
+    # The worker at the niceness `loragw serve` gives a local worker (gateway/config.py).
+    server = start_fleet_server(tmp_path, tiny_llama_dir, policy="round-robin", workers=1, num_kv_blocks=KV_BLOCKS,
+                                niceness=WORKER_NICENESS)
     gw, worker = server.live.gateway, server.fleet.workers["0"]
     body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS,
             "temperature": 0.0, "stream": True}
@@ -138,7 +180,8 @@ def test_health_p99_stays_under_50ms_while_one_worker_runs_64_streams(tiny_llama
         try:
             wait_for(lambda: worker.snapshot.num_running[Tier.STANDARD] == STREAMS, 60, "all 64 streams to run")
             steps_before = worker.snapshot.steps
-            latencies = _sample_health(server.url)
+            with _heap_frozen_as_served():
+                latencies = _sample_health(server.url)
             # The premise: the load ran all along (no stream ended) and the worker kept stepping.
             assert drain.closed == 0 and worker.snapshot.num_running[Tier.STANDARD] == STREAMS
             steps = worker.snapshot.steps - steps_before
