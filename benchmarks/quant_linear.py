@@ -16,6 +16,10 @@ shared host). Paths:
   int8_torch     torch._weight_int8pack_mm (the CPU int8 weight-only op)
   int8_torchao   torchao Int8WeightOnlyConfig on an nn.Linear
   int4_ours      engine/csrc/quant_linear.cpp, Q4_1 (group 32, d and m)
+  int4_rows      the same without the copy of the rows interleaved 8 at a time
+                 that its float32 calls read on an AVX2 build: the path a
+                 weight whose rows are not a multiple of 8 takes there, and
+                 every Q4_1 weight did before the copy
   q8_0_ours      the same file, Q8_0 (group 32, d): the LM head's GGUF format
   int4_act8      float32 on an AVX2 build: Q4_1 with the activations rounded
                  to int8 per block of 32 (the engine's int8 activations)
@@ -27,7 +31,8 @@ shared host). Paths:
 Figures are microseconds per call. torchao is optional (pip install
 torchao==0.18.0 --no-deps); its paths are skipped without it.
 
-    python benchmarks/quant_linear.py [--rows 1 4 16 64] [--dtype float32] [--rounds 7] [--out PATH]
+    python benchmarks/quant_linear.py [--rows 1 4 16 64] [--dtype float32] [--rounds 7]
+        [--paths int4_ours int4_rows] [--out PATH]
 """
 
 from __future__ import annotations
@@ -94,6 +99,11 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
         "q8_0_ours": kernel_call(lambda x, i, out: q8[i].run_kernel(qk, x, None, out)),
         "int4_twin": lambda x, i: quant_linear.twin(x, q4[i]),
     }
+    if dtype == torch.float32 and qk.q4_1_interleaves():
+        q4r = [dataclasses.replace(w) for w in q4]  # replace starts without a copy
+        for w in q4r:
+            w.interleaved_copy = []  # [] is "none to read"; None would make one
+        paths["int4_rows"] = kernel_call(lambda x, i, out: q4r[i].run_kernel(qk, x, None, out))
     if dtype == torch.float32 and qk.int8_activations_built():
         q4a = [dataclasses.replace(w, int8_activations=True) for w in q4]
         q8a = [dataclasses.replace(w, int8_activations=True) for w in q8]
@@ -141,6 +151,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--paths", nargs="+", default=None,
+                        help="time these paths only (float_torch, the reference, always runs)")
     parser.add_argument("--out", default="benchmarks/results/quant_linear.json")
     args = parser.parse_args()
     if args.threads:
@@ -153,6 +165,8 @@ def main() -> None:
         copies = 1 if n == VOCAB else LAYERS
         weights = [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(copies)]
         paths = paths_for(weights, dtype)
+        if args.paths:
+            paths = {name: fn for name, fn in paths.items() if name in args.paths or name == "float_torch"}
         rows_list = args.rows + (args.prefill_rows if label.startswith("gate") else [])
         result["shapes"][label] = {}
         for rows in rows_list:

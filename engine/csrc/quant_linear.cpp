@@ -48,6 +48,11 @@ constexpr int kTileRowsX1 = 8;
 #if defined(__AVX2__) && defined(__F16C__)
 #define LORAGW_INT8_ACTIVATIONS 1
 #endif
+// Float32 Q4_1 calls on a copy of the weight with its rows interleaved
+// (interleaved_f32 below): any AVX2 host, AVX-512 ones included.
+#if defined(__AVX2__) && defined(__F16C__)
+#define LORAGW_Q41_INTERLEAVED 1
+#endif
 typedef Lanes<kVec>::f32 fvec;
 typedef int8_t i8vec __attribute__((vector_size(kVec)));
 typedef uint8_t u8vec __attribute__((vector_size(kVec)));
@@ -454,8 +459,12 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
   });
 }
 
-// Q4_1 with float32 activations on AVX2, the weight rows interleaved 8 at a
-// time (q4_1_interleave below): lanes run over 8 weight rows, not along K.
+#endif
+
+#ifdef LORAGW_Q41_INTERLEAVED
+// Q4_1 with float32 activations on AVX2 and AVX-512, the weight rows
+// interleaved 8 at a time (q4_1_interleave below): lanes run over 8 weight
+// rows (16, two groups, with AVX-512), not along K.
 // A block's k-th weights of the 8 rows come out of one 8-byte load as a
 // vector, d q + m in one fused multiply-add, which is exactly the float
 // weight (d q is exact in float32: 4 bits of q times float16's 11), and
@@ -464,7 +473,8 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
 // all the token rows, and each token row one multiply-add per 8 weights,
 // where f32_blocks pays a fifth multiply-add a block for every token row
 // and a horizontal sum: on a 2-core Zen 3 a layer's four calls ran 1.2-1.6x
-// faster at 1 to 16 rows (docs/engine.md, "Q4_1 rows interleaved").
+// faster at 1 to 16 rows, and on a 2-core Zen 5, in 16 lanes, 1.1-2.0x
+// faster than the AVX-512 loop (docs/engine.md, "Q4_1 rows interleaved").
 // Every output is one chain of multiply-adds over K in the same order (a
 // block's element i, then 16 + i, for i = 0 .. 15; blocks in order)
 // whatever the row count and the tile shape, so a verifying sequence
@@ -475,61 +485,118 @@ struct Q41Interleaved {
   int64_t blocks;
 };
 
+// A tile's registers: 8 lanes, one group of 8 weight rows (AVX2), or 16,
+// two adjacent groups, whose outputs are adjacent too (AVX-512). `next` is
+// the distance from a group's d, m or bytes to the next group's, which the
+// 16 lanes join into one vector. Every lane's chain is the same one
+// correctly rounded multiply-add a step in both, so a row's outputs do not
+// depend on which of the two took it.
+struct Lanes8 {
+  typedef __m256 F;
+  typedef __m256i I;
+  static constexpr int kGroups = 1;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F halves(const c10::Half* s, int64_t) {  // 8 float16 -> float32
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  static I bytes(const uint8_t* p, int64_t) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static F low(I b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F))); }
+  static F high(I b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+#ifdef __AVX512F__
+struct Lanes16 {
+  typedef __m512 F;
+  typedef __m512i I;
+  static constexpr int kGroups = 2;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F halves(const c10::Half* s, int64_t next) {
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + next));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1));
+  }
+  static I bytes(const uint8_t* p, int64_t next) {
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + next))));
+  }
+  static F low(I b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))); }
+  static F high(I b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
 // y[j * y_stride + 8 g + r] for the JB token rows of xt ([K][JB], token
-// rows innermost) and the NV groups from g0.
-template <int JB, int NV>
+// rows innermost) and the NV vectors of L::kGroups groups from g0.
+template <typename L, int JB, int NV>
 void interleaved_tile(const Q41Interleaved& w, const float* xt, int64_t g0, float* y, int64_t y_stride) {
   // Every loop over the accumulators unrolled, or GCC keeps them in memory
   // (a memset, then a store of each one every iteration).
-  __m256 acc[JB][NV];
+  typename L::F acc[JB][NV];
   _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j)
-    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi32(0x0F);
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = L::zero();
+  const int64_t next_dm = w.blocks * 16, next_nib = w.blocks * (kBlock / 2) * 8;  // group g to g + 1
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m256 d[NV], m[NV];
+    typename L::F d[NV], m[NV];
     const uint8_t* nib[NV];
     _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) {
-      const c10::Half* s = w.dm + ((g0 + v) * w.blocks + b) * 16;
-      d[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-      m[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
-      nib[v] = w.nib + ((g0 + v) * w.blocks + b) * (kBlock / 2) * 8;
+      const int64_t g = g0 + v * L::kGroups;
+      const c10::Half* s = w.dm + (g * w.blocks + b) * 16;
+      d[v] = L::halves(s, next_dm);
+      m[v] = L::halves(s + 8, next_dm);
+      nib[v] = w.nib + (g * w.blocks + b) * (kBlock / 2) * 8;
     }
     const float* xb = xt + b * kBlock * JB;
     _Pragma("GCC unroll 2") for (int i = 0; i < kBlock / 2; ++i) {
-      __m256i bytes[NV];
-      __m256 wv[NV];
+      typename L::I bytes[NV];
+      typename L::F wv[NV];
       _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) {
-        bytes[v] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nib[v] + i * 8)));
-        wv[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes[v], low)), d[v], m[v]);
+        bytes[v] = L::bytes(nib[v] + i * 8, next_nib);
+        wv[v] = L::fmadd(L::low(bytes[v]), d[v], m[v]);
       }
       _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j) {
-        const __m256 xv = _mm256_broadcast_ss(xb + i * JB + j);
-        _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(xv, wv[v], acc[j][v]);
+        const typename L::F xv = L::broadcast(xb + i * JB + j);
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = L::fmadd(xv, wv[v], acc[j][v]);
       }
-      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v)
-        wv[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes[v], 4)), d[v], m[v]);
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) wv[v] = L::fmadd(L::high(bytes[v]), d[v], m[v]);
       _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j) {
-        const __m256 xv = _mm256_broadcast_ss(xb + (i + kBlock / 2) * JB + j);
-        _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(xv, wv[v], acc[j][v]);
+        const typename L::F xv = L::broadcast(xb + (i + kBlock / 2) * JB + j);
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) acc[j][v] = L::fmadd(xv, wv[v], acc[j][v]);
       }
     }
   }
   _Pragma("GCC unroll 8") for (int j = 0; j < JB; ++j)
-    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) _mm256_storeu_ps(y + j * y_stride + (g0 + v) * 8, acc[j][v]);
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v)
+      L::store(y + j * y_stride + (g0 + v * L::kGroups) * 8, acc[j][v]);
 }
 
-// Groups g0 .. g1 for JB token rows, NV groups a tile, then one at a time.
-template <int JB, int NV>
+// Groups g0 .. g1 for JB token rows, NV groups a tile, then one at a time;
+// with AVX-512, NP pairs of groups a tile, then a pair, then the one left.
+template <int JB, int NV, int NP>
 void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, int64_t g1, float* y, int64_t y_stride) {
   int64_t g = g0;
-  for (; g + NV <= g1; g += NV) interleaved_tile<JB, NV>(w, xt, g, y, y_stride);
-  for (; g < g1; ++g) interleaved_tile<JB, 1>(w, xt, g, y, y_stride);
+#ifdef __AVX512F__
+  for (; g + 2 * NP <= g1; g += 2 * NP) interleaved_tile<Lanes16, JB, NP>(w, xt, g, y, y_stride);
+  for (; g + 2 <= g1; g += 2) interleaved_tile<Lanes16, JB, 1>(w, xt, g, y, y_stride);
+#else
+  for (; g + NV <= g1; g += NV) interleaved_tile<Lanes8, JB, NV>(w, xt, g, y, y_stride);
+#endif
+  for (; g < g1; ++g) interleaved_tile<Lanes8, JB, 1>(w, xt, g, y, y_stride);
 }
 
 // Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
 // f32_blocks. NV keeps JB * NV accumulators and NV weight vectors within
 // AVX2's 16 registers; for 1 to 3 rows it was picked by timing (a single
-// row over 8 groups spilled and ran slower than over 4).
+// row over 8 groups spilled and ran slower than over 4). NP keeps JB * NP
+// accumulators, NP weight vectors, their NP widened bytes and the NP d and
+// m within AVX-512's 32 (on a 2-core Zen 5, 1 to 3 rows over 6, 5 and 4
+// pairs timed as over 4, 4 and 3).
 void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                      const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t groups = n / 8;
@@ -547,14 +614,14 @@ void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Inter
       const float* xj = xt.data() + j0 * k;
       float* oj = out + j0 * out_stride;
       switch (std::min<int64_t>(8, m - j0)) {
-        case 8: interleaved_groups<8, 1>(w, xj, g0, g1, oj, out_stride); break;
-        case 7: interleaved_groups<7, 1>(w, xj, g0, g1, oj, out_stride); break;
-        case 6: interleaved_groups<6, 1>(w, xj, g0, g1, oj, out_stride); break;
-        case 5: interleaved_groups<5, 2>(w, xj, g0, g1, oj, out_stride); break;
-        case 4: interleaved_groups<4, 2>(w, xj, g0, g1, oj, out_stride); break;
-        case 3: interleaved_groups<3, 2>(w, xj, g0, g1, oj, out_stride); break;
-        case 2: interleaved_groups<2, 3>(w, xj, g0, g1, oj, out_stride); break;
-        default: interleaved_groups<1, 4>(w, xj, g0, g1, oj, out_stride);
+        case 8: interleaved_groups<8, 1, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 7: interleaved_groups<7, 1, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 6: interleaved_groups<6, 1, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 5: interleaved_groups<5, 2, 2>(w, xj, g0, g1, oj, out_stride); break;
+        case 4: interleaved_groups<4, 2, 3>(w, xj, g0, g1, oj, out_stride); break;
+        case 3: interleaved_groups<3, 2, 3>(w, xj, g0, g1, oj, out_stride); break;
+        case 2: interleaved_groups<2, 3, 4>(w, xj, g0, g1, oj, out_stride); break;
+        default: interleaved_groups<1, 4, 4>(w, xj, g0, g1, oj, out_stride);
       }
     }
     if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, g0 * 8, (g1 - g0) * 8);
@@ -1228,9 +1295,9 @@ bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 }
 
 // Whether float32 Q4_1 calls in this build take the weight interleaved
-// (q4_1_interleave; interleaved_f32): AVX2 hosts without AVX-512.
+// (q4_1_interleave; interleaved_f32): AVX2 hosts, AVX-512 ones included.
 bool q4_1_interleaves() {
-#ifdef LORAGW_BLOCKED_F32
+#ifdef LORAGW_Q41_INTERLEAVED
   return true;
 #else
   return false;
@@ -1269,7 +1336,7 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
-#ifdef LORAGW_BLOCKED_F32
+#ifdef LORAGW_Q41_INTERLEAVED
   if (!interleaved.empty() && x.scalar_type() == at::kFloat && !int8_activations) {
     const int64_t n = q.size(0), blocks = k / kBlock;
     TORCH_CHECK(interleaved.size() == 2 && n % 8 == 0, "q4_1_linear: ", interleaved.size(),

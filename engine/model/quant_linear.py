@@ -27,14 +27,16 @@ it past the few rows of a decode step (32 rows on a 2-core Intel Xeon,
 against 8). With float32 activations on AVX2 (no AVX-512) they take a
 blocked path: a block's 32 weights widened at once, each row's sum scaled
 by the block's d once and m taken out of the sum, which made a one-row
-call about 3x faster there (docs/engine.md); Q4_1 there goes further and
-reads a copy of its rows interleaved 8 at a time (`Q41Weight.interleaved`,
-made on the first call), so that lanes run over weight rows and each token
-row pays one multiply-add per 8 weights (a layer's calls 1.2-1.6x faster
-at 1 to 16 rows on a 2-core Zen 3). With float32 activations on
-AVX-512, a call of more than 4 rows widens each tile of weight rows once
-per thread, into float32, and runs the widening loop's sums over it, bit
-for bit (26-41% faster at 32-64 rows on a 2-core Intel Xeon). Larger calls (long prefill
+call about 3x faster there (docs/engine.md). Float32 Q4_1 on any AVX2
+host, AVX-512 ones included, goes further and reads a copy of its rows
+interleaved 8 at a time (`Q41Weight.interleaved`, made on the first call),
+so that lanes run over weight rows and each token row pays one multiply-add
+per 8 weights, or per 16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1
+to 16 rows on a 2-core Zen 3, 1.1-2.0x on a 2-core Zen 5). With float32
+activations on AVX-512, other calls of more than 4 rows widen each tile
+of weight rows once per thread, into float32, and run the widening loop's
+sums over it, bit for bit (26-41% faster at 32-64 rows on a 2-core Intel
+Xeon). Larger calls (long prefill
 chunks), other devices (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the
 torch twin: dequantize the weight for the call, then F.linear. No float
 copy is kept, so memory holds the quantized weights only;
@@ -134,7 +136,7 @@ class Q41Weight:
         """What `kernel.q4_1_linear` takes for `x` beside q and dm: the
         interleaved copy, made once, for float32 activations without int8
         rounding on a build whose float32 path reads it
-        (`q4_1_interleaves`: AVX2 without AVX-512), else []."""
+        (`q4_1_interleaves`: AVX2, AVX-512 included), else []."""
         if x.dtype != torch.float32 or self.int8_activations:
             return []
         if self.interleaved_copy is None:

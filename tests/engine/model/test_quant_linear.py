@@ -139,9 +139,10 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     tile, then the last 1, 2 or 3 in one pass: 6, 7 and 31 rows reach those
     last passes. On AVX2 every float32 call goes 8 rows at a time, then the
     last 1 to 7 in one pass: the splits reach every group size from 1 to 8.
-    There, Q4_1 with 104 weight rows (13 groups of 8) reads them interleaved,
-    in tiles of 1 to 4 groups and a remainder of single groups; 102 rows,
-    not a multiple of 8, keep the blocked path."""
+    On either, Q4_1 with 104 weight rows (13 groups of 8) reads them
+    interleaved: on AVX2 in tiles of 1 to 4 groups, then single groups; on
+    AVX-512 in tiles of 2 to 4 pairs of groups, then a pair, then the one
+    group left. 102 rows, not a multiple of 8, keep the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
     qws, gen = _weights((n, 96), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
@@ -233,13 +234,13 @@ def _interleaved_reference(qw) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
-    """On an AVX2 build without AVX-512 a float32 Q4_1 call reads the copy
-    of the weight with its rows interleaved 8 at a time, made on the first
-    call; the tests above hold that path to the reference there. Here: the
-    copy's layout, element by element, and that the kernel reads it (a
-    changed copy changes the output). Elsewhere no copy is made."""
-    flags = host_cpu.cpu_flags()
-    assert kernel.q4_1_interleaves() == ({"avx2", "f16c"} <= flags and "avx512f" not in flags)
+    """On an AVX2 build, AVX-512 ones included, a float32 Q4_1 call reads
+    the copy of the weight with its rows interleaved 8 at a time, made on
+    the first call; the tests above hold that path to the reference there.
+    Here: the copy's layout, element by element, and that the kernel reads
+    it (a changed copy changes the output; 3 groups of 8 rows, so on
+    AVX-512 a pair of groups and a single one). Elsewhere no copy is made."""
+    assert kernel.q4_1_interleaves() == ({"avx2", "f16c"} <= host_cpu.cpu_flags())
     qw = quant_linear.quantize_q4_1(torch.randn(24, 64, generator=torch.Generator().manual_seed(4)))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
     out = torch.empty(3, 24)
