@@ -166,6 +166,9 @@ def main() -> None:
         weights = [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(copies)]
         paths = paths_for(weights, dtype)
         if args.paths:
+            unknown = set(args.paths) - set(paths)
+            if unknown:  # a misspelt path, or one this host does not have (int4_rows without the copy)
+                parser.error(f"--paths: no {', '.join(sorted(unknown))} here; the paths are {', '.join(paths)}")
             paths = {name: fn for name, fn in paths.items() if name in args.paths or name == "float_torch"}
         rows_list = args.rows + (args.prefill_rows if label.startswith("gate") else [])
         result["shapes"][label] = {}

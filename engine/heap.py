@@ -11,7 +11,9 @@ the permanent generation, which no pass walks (vLLM's API server does the
 same). Objects made afterwards are collected as before.
 
 Only process entry points call this: frozen objects are never freed, so a
-library or a test process must not freeze its heap.
+library or a test process must not leave its heap frozen (a test that
+stands in for a served process unfreezes it when it ends:
+tests/gateway/workers/test_health_under_load.py).
 """
 
 from __future__ import annotations

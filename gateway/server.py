@@ -138,7 +138,7 @@ class DrainingServer(uvicorn.Server):
         # Once the engine client is ready: the fleet loads the tokenizer and
         # the adapter registry in a thread after the lifespan has started
         # (gateway/workers/fleet.py), and what they import is part of the
-        # startup heap. Never in a test process (engine/heap.py).
+        # startup heap. Not in a test process, which would keep it frozen (engine/heap.py).
         self.freeze_heap_when_ready = False
         self._freeze: asyncio.Task | None = None
 

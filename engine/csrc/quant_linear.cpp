@@ -473,8 +473,9 @@ void f32_blocks(const float* x, int64_t x_stride, int64_t m, const Rows& rows, i
 // all the token rows, and each token row one multiply-add per 8 weights,
 // where f32_blocks pays a fifth multiply-add a block for every token row
 // and a horizontal sum: on a 2-core Zen 3 a layer's four calls ran 1.2-1.6x
-// faster at 1 to 16 rows, and on a 2-core Zen 5, in 16 lanes, 1.1-2.0x
-// faster than the AVX-512 loop (docs/engine.md, "Q4_1 rows interleaved").
+// faster at 1 to 16 rows, and on a 2-core Zen 5, in 16 lanes, 1.1-2.1x
+// faster than the AVX-512 paths before them, the loop and f32_tiles
+// (docs/engine.md, "Q4_1 rows interleaved", "In 16 lanes on AVX-512").
 // Every output is one chain of multiply-adds over K in the same order (a
 // block's element i, then 16 + i, for i = 0 .. 15; blocks in order)
 // whatever the row count and the tile shape, so a verifying sequence
@@ -577,7 +578,8 @@ void interleaved_tile(const Q41Interleaved& w, const float* xt, int64_t g0, floa
 }
 
 // Groups g0 .. g1 for JB token rows, NV groups a tile, then one at a time;
-// with AVX-512, NP pairs of groups a tile, then a pair, then the one left.
+// with AVX-512, NP pairs of groups a tile, then the pairs left one at a
+// time, then the one group left.
 template <int JB, int NV, int NP>
 void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, int64_t g1, float* y, int64_t y_stride) {
   int64_t g = g0;

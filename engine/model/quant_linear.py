@@ -32,7 +32,7 @@ host, AVX-512 ones included, goes further and reads a copy of its rows
 interleaved 8 at a time (`Q41Weight.interleaved`, made on the first call),
 so that lanes run over weight rows and each token row pays one multiply-add
 per 8 weights, or per 16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1
-to 16 rows on a 2-core Zen 3, 1.1-2.0x on a 2-core Zen 5). With float32
+to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5). With float32
 activations on AVX-512, other calls of more than 4 rows widen each tile
 of weight rows once per thread, into float32, and run the widening loop's
 sums over it, bit for bit (26-41% faster at 32-64 rows on a 2-core Intel

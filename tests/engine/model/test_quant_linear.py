@@ -141,8 +141,9 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     last 1 to 7 in one pass: the splits reach every group size from 1 to 8.
     On either, Q4_1 with 104 weight rows (13 groups of 8) reads them
     interleaved: on AVX2 in tiles of 1 to 4 groups, then single groups; on
-    AVX-512 in tiles of 2 to 4 pairs of groups, then a pair, then the one
-    group left. 102 rows, not a multiple of 8, keep the other paths."""
+    AVX-512 in tiles of 2 to 4 pairs of groups, then the pairs left one at
+    a time, then the one group left. 102 rows, not a multiple of 8, keep
+    the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
     qws, gen = _weights((n, 96), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
@@ -260,6 +261,25 @@ def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
     m = qw.dm[:, :, 1].double().repeat_interleave(32, dim=1)
     torch.testing.assert_close(changed.double(), x.double() @ (2 * m).T, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(changed, out)
+
+
+def test_a_group_of_8_weight_rows_sums_alike_in_8_lanes_and_in_a_16_lane_pair(kernel):
+    """On AVX-512 the interleaved tiles take two groups of 8 weight rows in
+    one 16-lane vector and a group left over in 8 lanes: rows 8-15 of a
+    24-row weight run in a pair, the same rows as a weight of their own in
+    8 lanes. Each lane is one chain of multiply-adds in the same order, so
+    the outputs are equal bit for bit, at every pass size of token rows;
+    otherwise a row would score differently with the way the weight's
+    groups fall to tiles and threads. (On AVX2 both are 8-lane tiles.)"""
+    gen = torch.Generator().manual_seed(7)
+    qw = quant_linear.quantize_q4_1(torch.randn(24, 96, generator=gen))
+    alone = replace(qw, q=qw.q[8:16].contiguous(), dm=qw.dm[8:16].contiguous())
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16):
+        x = torch.randn(rows, 96, generator=gen)
+        whole, part = torch.empty(rows, 24), torch.empty(rows, 8)
+        assert qw.run_kernel(kernel, x, None, whole) and alone.run_kernel(kernel, x, None, part)
+        assert torch.equal(whole[:, 8:16], part), rows
+    assert (qw.interleaved_copy != []) == kernel.q4_1_interleaves()
 
 
 @pytest.mark.parametrize("case", ["bfloat16", "int8_activations"])

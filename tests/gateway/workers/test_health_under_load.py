@@ -7,7 +7,7 @@ and `recv`s raw sockets, so the test's own clients take little of the
 interpreter lock the gateway's event loop needs, and times /health from a
 process of its own, as a prober does. The gateway shares the pytest
 process, so the test gives it what `loragw serve` gives it: a worker at
-the serving niceness and a frozen heap (below).
+the serving niceness and a frozen startup heap (below).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -118,19 +117,21 @@ class _Drain:
 # The prober: a process of its own, so that its timings hold none of the
 # waits for the interpreter lock that a thread in the gateway's process
 # would add (each socket call gives the lock up and waits to get it back
-# from a busy event loop). One kept-alive connection, as a kubelet's
-# probes or a load balancer's health checks use.
+# from a busy event loop). A new connection a probe, as a kubelet's HTTP
+# probes (they turn keep-alive off), so that each one also waits for the
+# event loop to accept it.
 _PROBER = """
 import http.client, json, sys, time
 host, port, samples, interval = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-conn = http.client.HTTPConnection(host, port, timeout=5)
 latencies = []
 for _ in range(samples):
     t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=5)
     conn.request("GET", "/health")
     response = conn.getresponse()
     response.read()
     latencies.append(time.perf_counter() - t0)
+    conn.close()
     if response.status != 200:
         sys.exit(f"/health answered {response.status}")
     time.sleep(interval)
@@ -151,13 +152,16 @@ def _sample_health(url: str) -> list[float]:
 
 
 @contextlib.contextmanager
-def _heap_frozen_as_served():
-    """`loragw serve` freezes its startup heap, so no full pass of the
-    collector walks it (engine/heap.py). Here the gateway lives in the
-    pytest process, whose heap holds every earlier test's objects: a full
-    pass over it stalled the event loop for 0.4-0.5 s even in a run of this
-    test alone (two Zen 5 cores), a stall the served gateway does not have. Frozen for the measurement only, then handed
-    back to the collector, so nothing outlives the test."""
+def _startup_heap_frozen():
+    """`loragw serve` freezes its heap once startup ends, so no full pass of
+    the collector walks it (engine/heap.py); what requests make afterwards
+    is collected as before. Here the gateway lives in the pytest process,
+    whose heap holds every earlier test's objects: a full pass over it
+    stalled the event loop for 0.4-0.5 s even in a run of this test alone
+    (two Zen 5 cores), a stall the served gateway does not have. So the
+    heap is frozen as the gateway stands before its first request, and
+    handed back to the collector when the test ends, so nothing outlives it
+    (engine/heap.py: a test process must not leave its heap frozen)."""
     gc.collect()
     gc.freeze()
     try:
@@ -174,22 +178,22 @@ def test_health_p99_stays_under_50ms_while_one_worker_runs_64_streams(tiny_llama
     body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS,
             "temperature": 0.0, "stream": True}
     try:
-        sockets = [send_request(server.url, "/v1/completions", body, server.key, request_id=f"load-{i}")
-                   for i in range(STREAMS)]
-        drain = _Drain(sockets)
-        try:
-            wait_for(lambda: worker.snapshot.num_running[Tier.STANDARD] == STREAMS, 60, "all 64 streams to run")
-            steps_before = worker.snapshot.steps
-            with _heap_frozen_as_served():
+        with _startup_heap_frozen():
+            sockets = [send_request(server.url, "/v1/completions", body, server.key, request_id=f"load-{i}")
+                       for i in range(STREAMS)]
+            drain = _Drain(sockets)
+            try:
+                wait_for(lambda: worker.snapshot.num_running[Tier.STANDARD] == STREAMS, 60, "all 64 streams to run")
+                steps_before = worker.snapshot.steps
                 latencies = _sample_health(server.url)
-            # The premise: the load ran all along (no stream ended) and the worker kept stepping.
-            assert drain.closed == 0 and worker.snapshot.num_running[Tier.STANDARD] == STREAMS
-            steps = worker.snapshot.steps - steps_before
-            load = os.getloadavg()
-        finally:
-            drain.close()
-            for sock in sockets:
-                hang_up(sock)  # the load ends here: the gateway aborts all 64
+                # The premise: the load ran all along (no stream ended) and the worker kept stepping.
+                assert drain.closed == 0 and worker.snapshot.num_running[Tier.STANDARD] == STREAMS
+                steps = worker.snapshot.steps - steps_before
+                load = os.getloadavg()
+            finally:
+                drain.close()
+                for sock in sockets:
+                    hang_up(sock)  # the load ends here: the gateway aborts all 64
         wait_for(lambda: gw.in_flight == 0, 30, "the aborted streams to end")
     finally:
         server.stop()
