@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError, ValidationError
 from engine.model import cpu_linear, quant_linear
 from tests.adapters.conftest import ALL_MODULES, build_peft_adapter, peft_greedy
-from tests.engine.model.test_quant_linear import naive_weight
+from tests.engine.model.quant_reference import naive_weight
 
 NEW_TOKENS = 12
 PROMPTS = ["The quick brown fox jumps over the lazy dog and", "Write a haiku about rivers:",

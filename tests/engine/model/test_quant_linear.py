@@ -1,8 +1,8 @@
 """The quantized skinny kernels and their torch twin against a naive float64
 reference that decodes every weight element by element from the stored
-bytes (written apart from the quantizer's and the twin's vectorized code),
-over SmolLM2-135M's shapes and skewed row counts. The quantizers
-themselves: test_quantizers.py."""
+bytes (quant_reference.py), over SmolLM2-135M's shapes and skewed row
+counts. The quantizers themselves: test_quantizers.py; float32
+activations rounded to int8: test_quant_linear_int8_activations.py."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import torch
 
 from engine import host_cpu
 from engine.model import quant_linear
+from tests.engine.model.quant_reference import FORMATS, HIDDEN, SHAPES, naive_weight, quantized_weights
 from tests.native import built_or_skip, recording
 
-HIDDEN, INTERMEDIATE, KV = 576, 1536, 192  # SmolLM2-135M
-SHAPES = {"q/o": (HIDDEN, HIDDEN), "k/v": (KV, HIDDEN), "qkv": (HIDDEN + 2 * KV, HIDDEN),
-          "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE), "head_rows": (4099, HIDDEN)}
 ROWS = [1, 3, 7, 16, 33, 64]
-FORMATS = ["int8", "int4", "q8_0"]
 KERNELS = {"int8": "int8_linear", "int4": "q4_1_linear", "q8_0": "q8_0_linear"}
 # Both paths sum in float32 (the kernel in its own order); bfloat16 output
 # rounds to 8 bits of mantissa.
@@ -36,36 +33,6 @@ def every_row_count_offered_to_the_kernel(kernel_rows):
     """The kernel's calibrated limit depends on the host; these tests reach
     it at every row count they use."""
     kernel_rows("1024")
-
-
-def naive_weight(qw) -> torch.Tensor:
-    """The float64 [N, K] weight a quantized one stands for, decoded one
-    column at a time from the documented layout."""
-    if isinstance(qw, quant_linear.Int8Weight):
-        return qw.q.double() * qw.scale.double()[:, None]
-    if isinstance(qw, quant_linear.Q80Weight):
-        return qw.q.double() * qw.d.double().repeat_interleave(32, dim=1)
-    n, k = qw.shape
-    w = torch.empty(n, k, dtype=torch.float64)
-    for col in range(k):
-        block, within = divmod(col, 32)
-        byte = qw.q[:, block * 16 + within % 16].long()
-        value = byte % 16 if within < 16 else byte // 16
-        d, m = qw.dm[:, block, 0].double(), qw.dm[:, block, 1].double()
-        w[:, col] = d * value + m
-    return w
-
-
-def _weights(shape, seed, *, twin_blocks=False):
-    """Every format's quantization of one random weight. `twin_blocks`:
-    columns 32-63 repeat columns 0-31, so each format stores the two blocks
-    alike (see `_cancelling_rows`)."""
-    gen = torch.Generator().manual_seed(seed)
-    n, k = shape
-    w = torch.randn(n, k, generator=gen) * k**-0.5
-    if twin_blocks:
-        w[:, 32:64] = w[:, :32]
-    return {fmt: quant_linear.quantize(w, fmt) for fmt in FORMATS}, gen
 
 
 def _cancelling_rows(x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +53,7 @@ def cases():
     """shape -> (quantized weights by format, their naive float64 decoding)."""
     found = {}
     for i, (name, shape) in enumerate(SHAPES.items()):
-        qws, _ = _weights(shape, seed=i)
+        qws, _ = quantized_weights(shape, seed=i)
         found[name] = (qws, {fmt: naive_weight(qw) for fmt, qw in qws.items()})
     return found
 
@@ -113,7 +80,7 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [3, 6, 9])  # bfloat16's blocked formats: 9 rows take the dequantized tile
 def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
-    qws, gen = _weights((80, 96), seed=9)
+    qws, gen = quantized_weights((80, 96), seed=9)
     qw = qws[fmt]
     x = torch.randn(rows, 200, generator=gen).to(dtype)[:, 7:103]  # rows 200 apart
     bias = torch.randn(80, generator=gen).to(dtype)
@@ -145,7 +112,7 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     a time, then the one group left. 102 rows, not a multiple of 8, keep
     the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
-    qws, gen = _weights((n, 96), seed=4, twin_blocks=cancelling)
+    qws, gen = quantized_weights((n, 96), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     if cancelling:
@@ -170,7 +137,7 @@ def test_a_call_kept_on_the_calling_thread_sums_as_one_spread_over_the_threads(k
     where the build has it, whose threads split the groups. (Which thread
     ran a tile does not show from here: this checks the sums and that every
     tile was done, not the split.)"""
-    qws, gen = _weights((n, 96), seed=5)
+    qws, gen = quantized_weights((n, 96), seed=5)
     qw = qws[fmt]
     for rows in (1, 6, 20):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
@@ -190,7 +157,7 @@ def test_blocked_formats_in_bfloat16_multiply_the_float_paths_bfloat16_weights(k
     the very weights quantization "auto" keeps for larger calls) and sum
     their products in float32: only the order of the float32 sum differs
     from multiplying those weights in float64."""
-    qws, gen = _weights(SHAPES["gate_up"], seed=5)
+    qws, gen = quantized_weights(SHAPES["gate_up"], seed=5)
     qw = qws[fmt]
     weight = qw.dequantize(torch.float32).to(torch.bfloat16)
     for rows in ROWS:
@@ -204,7 +171,7 @@ def test_blocked_formats_in_bfloat16_multiply_the_float_paths_bfloat16_weights(k
     # one weight each (its product with 1 and a sum of zeros are exact), on
     # an even and an odd number of blocks a row (Q4_1 dequantizes pairs).
     for shape in (SHAPES["gate_up"], (100, 96)):
-        qw = qws[fmt] if shape == SHAPES["gate_up"] else _weights(shape, seed=6)[0][fmt]
+        qw = qws[fmt] if shape == SHAPES["gate_up"] else quantized_weights(shape, seed=6)[0][fmt]
         eye = torch.eye(shape[1], dtype=torch.bfloat16)
         out = torch.empty(shape[1], shape[0], dtype=torch.bfloat16)
         assert qw.run_kernel(kernel, eye, None, out)
@@ -314,95 +281,10 @@ def test_a_shape_mismatch_raises(kernel):
         kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0, [])
 
 
-@pytest.fixture(scope="module")
-def int8_kernel(kernel):
-    if not quant_linear.int8_activations_available(kernel, torch.float32):
-        pytest.skip("the quantized kernel has no int8-activation path on this host (no AVX2)")
-    return kernel
-
-
-def naive_int8_activations(x: torch.Tensor, qw, bias=None) -> torch.Tensor:
-    """What activation quantization int8 computes, in float64 from the stored
-    bytes: each row's block of 32 rounded to int8 against its largest
-    magnitude (127 / max|x| and the product in float32, then to nearest,
-    ties to even, as the kernel rounds them), the integer products summed
-    exactly, scaled by the weight's d and the block's max|x| / 127; Q4_1's m
-    times the block's float sum."""
-    rows, k = x.shape
-    blocks = x.float().reshape(rows, k // 32, 32)
-    top = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
-    qx = torch.round(blocks * inv).double()  # [rows, blocks, 32]
-    dx = (top / 127).double()[..., 0]  # [rows, blocks]
-    n = qw.shape[0]
-    if isinstance(qw, quant_linear.Q80Weight):
-        q, d, m = qw.q.double().reshape(n, k // 32, 32), qw.d.double(), None
-    else:
-        q = naive_weight(quant_linear.Q41Weight(qw.q, torch.stack(
-            (torch.ones_like(qw.dm[..., 0]), torch.zeros_like(qw.dm[..., 1])), dim=-1))).reshape(n, k // 32, 32)
-        d, m = qw.dm[..., 0].double(), qw.dm[..., 1].double()
-    out = torch.einsum("rbi,nbi->rnb", qx, q).mul(d[None] * dx[:, None]).sum(-1)
-    if m is not None:
-        out += blocks.double().sum(-1) @ m.T
-    return out if bias is None else out + bias.double()
-
-
-def _int8_activation_weights(shape, seed):
-    qws, gen = _weights(shape, seed)
-    return {fmt: replace(qws[fmt], int8_activations=True) for fmt in ("int4", "q8_0")}, gen
-
-
-@pytest.mark.parametrize("fmt", ["int4", "q8_0"])
-@pytest.mark.parametrize("shape", ["qkv", "down", "head_rows"])
-def test_int8_activations_match_their_naive_reference(int8_kernel, fmt, shape):
-    """Only the float32 sums of the scaled integer products differ from the
-    reference; against the float weights the rounding of x shows, about a
-    percent of the output here."""
-    qws, gen = _int8_activation_weights(SHAPES[shape], seed=11)
-    qw = qws[fmt]
-    for rows in (1, 3, 4, 9, 16):
-        x = torch.randn(rows, qw.shape[1], generator=gen)
-        x[0, :32] = 0  # a block of zeros: max|x| = 0
-        out = torch.empty(rows, qw.shape[0])
-        assert qw.run_kernel(int8_kernel, x, None, out)
-        expected = naive_int8_activations(x, qw)
-        torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
-        exact = x.double() @ naive_weight(qw).T
-        assert (out.double() - exact).norm() / exact.norm() < 0.05
-
-
-@pytest.mark.parametrize("fmt", ["int4", "q8_0"])
-def test_int8_activations_with_bias_strided_rows_and_any_split(int8_kernel, fmt):
-    """A row comes out bit for bit the same whatever rows share its call, as
-    with float activations (each row is rounded on its own)."""
-    qws, gen = _int8_activation_weights((100, 96), seed=12)
-    qw = qws[fmt]
-    x = torch.randn(13, 200, generator=gen)[:, 7:103]
-    x[2, 40] = 1e4  # one outlier: its block's other values round to 0
-    bias = torch.randn(100, generator=gen)
-    together = torch.empty(13, 100)
-    assert qw.run_kernel(int8_kernel, x, bias, together)
-    torch.testing.assert_close(together.double(), naive_int8_activations(x, qw, bias), atol=1e-4, rtol=1e-4)
-    for split in ((1,) * 13, (2, 3, 8), (4, 9)):
-        parts = [torch.empty(len(rows), 100) for rows in x.split(split)]
-        for rows, out in zip(x.split(split), parts):
-            assert qw.run_kernel(int8_kernel, rows, bias, out)
-        assert torch.equal(torch.cat(parts), together), split
-
-
-def test_int8_activations_are_float32_only(int8_kernel):
-    qw = replace(quant_linear.quantize_q4_1(torch.randn(32, 64)), int8_activations=True)
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    assert not qw.run_kernel(int8_kernel, x, None, torch.empty(2, 32, dtype=torch.bfloat16))
-    per_channel = quant_linear.quantize_int8(torch.randn(32, 64))
-    quant_linear.use_int8_activations([per_channel, None, qw])
-    assert not hasattr(per_channel, "int8_activations") and qw.int8_activations
-
-
 def test_a_limit_given_to_linear_decides_which_path_a_call_takes(kernel):
     """The model passes its LM head's own limit: rows up to it go to the
     kernel, more to the float weights, whatever the environment's limit."""
-    qws, gen = _weights((96, HIDDEN), seed=8)
+    qws, gen = quantized_weights((96, HIDDEN), seed=8)
     qw = qws["q8_0"]
     weight = qw.dequantize(torch.float32)
     for rows, handled in ((2, [True]), (3, [])):
@@ -419,7 +301,7 @@ def test_the_head_limit_is_measured_on_the_head_once_a_process(kernel, kernel_ro
     format, shape, dtype and threads; the environment's limit wins."""
     monkeypatch.delenv(quant_linear.cpu_linear.ROWS_ENV)
     monkeypatch.setattr(quant_linear, "_head_limits", {})
-    qws, gen = _weights((300, HIDDEN), seed=9)
+    qws, gen = quantized_weights((300, HIDDEN), seed=9)
     head, float_head = qws["q8_0"], qws["q8_0"].dequantize(torch.float32)
     seen = []
     real = quant_linear.cpu_linear.calibrated_limit
@@ -437,7 +319,7 @@ def test_the_head_limit_is_measured_on_the_head_once_a_process(kernel, kernel_ro
     assert len(seen) == 1 and seen[0]["shape"] == (300, HIDDEN) and seen[0]["rows"] == quant_linear.HEAD_CALIBRATION_ROWS
     assert seen[0]["copies"](1) == seen[0]["copies"](256) == 1
     assert quant_linear.head_row_limit(kernel, head, float_head) == limit and len(seen) == 1
-    other = _weights((200, HIDDEN), seed=10)[0]["q8_0"]
+    other = quantized_weights((200, HIDDEN), seed=10)[0]["q8_0"]
     quant_linear.head_row_limit(kernel, other, other.dequantize(torch.float32))
     assert len(seen) == 2 and seen[1]["shape"] == (200, HIDDEN)
     kernel_rows("7")

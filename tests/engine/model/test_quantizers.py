@@ -1,6 +1,6 @@
 """The quantizers of engine/model/quant_linear.py: exact on zero rows and
 flat blocks and the bundled checkpoint's Q4_1 linears reproduced (read
-back through test_quant_linear.py's naive element-by-element decoding),
+back through quant_reference.py's naive element-by-element decoding),
 and `quantize_exactly` taking only weights that are its format's values."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model import quant_linear
-from tests.engine.model.test_quant_linear import naive_weight
+from tests.engine.model.quant_reference import naive_weight
 
 
 def test_quantizers_keep_zero_rows_and_flat_blocks_exact():
