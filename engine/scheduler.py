@@ -280,9 +280,13 @@ class Scheduler(StepUpdates):
         return True
 
     def _make_room_for_premium(self, plan: _StepPlan) -> bool:
-        """Preempt standard work so the premium head can be admitted this
-        step; whether it now fits.
+        """Preempt standard work so that the premium requests waiting now can
+        be admitted this step, as many as the step's budget reaches; whether
+        the head now fits.
 
+        All of them, not only the head: with every seat taken, a burst of
+        premium arrivals would otherwise be admitted one a step, each prompt
+        step after the last, where an idle server prefills them together.
         Done before anything is scheduled, so the victims give back blocks that
         hold only computed KV and no slice has to be unwound."""
         queue = self.waiting[Tier.PREMIUM]
@@ -298,21 +302,42 @@ class Scheduler(StepUpdates):
             verdict = self.adapters.verdict(head, self._step_id)
         if verdict is not SlotVerdict.ADMIT:
             return False  # it could not run this step anyway
-        chunk = min(head.num_tokens, plan.budget)
-        needed = -(-chunk // self.block_size)
         # Blocks the running requests will take this step come first.
-        needed += sum(self._blocks_to_grow(r) for r in self.running)
-        # A seat too: with max_num_seqs standard requests running, premium
+        needed = sum(self._blocks_to_grow(r) for r in self.running)
+        # Seats too: with max_num_seqs standard requests running, premium
         # would otherwise wait for one of them to finish.
-        seats = self._num_running_seqs() + head.num_seqs - self.config.max_num_seqs
-        while self.kv.num_free_blocks() < needed or seats > 0:
-            victim = next((r for r in reversed(self.running) if r.tier is Tier.STANDARD), None)
-            if victim is None:
-                return False
-            needed -= self._blocks_to_grow(victim)
-            seats -= victim.num_seqs
-            self._preempt(victim, plan, caused_by=head.request_id)
+        seats = self._num_running_seqs() - self.config.max_num_seqs
+        budget = plan.budget
+        for req in self._premium_admissible(queue):
+            if budget == 0:
+                break
+            chunk = min(req.num_tokens, budget)
+            budget -= chunk
+            needed += -(-chunk // self.block_size)
+            seats += req.num_seqs
+            while self.kv.num_free_blocks() < needed or seats > 0:
+                victim = next((r for r in reversed(self.running) if r.tier is Tier.STANDARD), None)
+                if victim is None:
+                    return req is not head
+                needed -= self._blocks_to_grow(victim)
+                seats -= victim.num_seqs
+                self._preempt(victim, plan, caused_by=req.request_id)
         return True
+
+    def _premium_admissible(self, queue: deque[Request]):
+        """The head, then the waiting premium requests that `_admit_waiting`
+        would admit after it this step as far as adapters go: ready, and
+        within the slots left once the earlier ones took theirs."""
+        new_keys = set()
+        for req in queue:
+            key = req.adapter_key
+            if req is not queue[0] and self.adapters.verdict(req, self._step_id) is not SlotVerdict.ADMIT:
+                continue
+            if key is not None and key not in self.adapters.running and key not in new_keys:
+                if len(self.adapters.running) + len(new_keys) >= self.adapters.max_loras:
+                    continue
+                new_keys.add(key)
+            yield req
 
     def _blocks_to_grow(self, req: Request) -> int:
         have = len(self.kv.block_table(req.request_id))

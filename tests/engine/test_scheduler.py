@@ -151,6 +151,45 @@ def test_premium_takes_a_seat_from_the_newest_standard_when_max_num_seqs_is_full
     assert not out.preemptions and slices(out) == {"s1": 1, "s2": 1}
 
 
+def test_a_burst_of_premium_arrivals_takes_seats_together_when_max_num_seqs_is_full():
+    # On an idle server two premium requests waiting together prefill in one
+    # step; with every seat taken they must too, not one step after another.
+    s = make_scheduler(budget=64, max_seqs=3)
+    for rid in ("s1", "s2", "s3"):
+        s.add_request(make_request(rid, 4, max_tokens=50))
+    step(s)
+    s.add_request(make_request("p1", 4, tier=Tier.PREMIUM, max_tokens=50))
+    s.add_request(make_request("p2", 4, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert [(p.victim_id, p.caused_by) for p in out.preemptions] == [("s3", "p1"), ("s2", "p2")]
+    assert slices(out) == {"s1": 1, "p1": 4, "p2": 4}
+    # Only as many as the step's budget reaches: a third prompt past it waits
+    # for the next step, and no seat is taken for it before then.
+    s = make_scheduler(budget=10, max_seqs=3)
+    for rid in ("s1", "s2", "s3"):
+        s.add_request(make_request(rid, 4, max_tokens=50))
+    step(s)
+    for rid in ("p1", "p2", "p3"):
+        s.add_request(make_request(rid, 5, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert [p.victim_id for p in out.preemptions] == ["s3", "s2"]
+    assert [r.request_id for r in s.waiting[Tier.PREMIUM]] == ["p3"]
+
+
+def test_a_premium_burst_takes_no_seat_for_a_request_its_adapter_keeps_out():
+    # Two adapter slots, one held by standard work on "a": the head takes the
+    # other for "b", so "c" cannot run this step and nobody is preempted for it.
+    s = make_scheduler(budget=64, max_seqs=2, max_loras=2)
+    s.add_request(make_request("s1", 4, max_tokens=50, adapter="a"))
+    s.add_request(make_request("s2", 4, max_tokens=50, adapter="a"))
+    step(s)
+    s.add_request(make_request("p1", 4, tier=Tier.PREMIUM, max_tokens=50, adapter="b"))
+    s.add_request(make_request("p2", 4, tier=Tier.PREMIUM, max_tokens=50, adapter="c"))
+    out, _ = step(s)
+    assert [(p.victim_id, p.caused_by) for p in out.preemptions] == [("s2", "p1")]
+    assert slices(out) == {"s1": 1, "p1": 4}
+
+
 def test_chunked_prefill_splits_long_prompt_and_mixes_with_decodes():
     s = make_scheduler(budget=16, block_size=4)
     s.add_request(make_request("short", 4, max_tokens=10))
