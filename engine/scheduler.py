@@ -6,8 +6,9 @@ slices of one step under `max_num_batched_tokens` and `max_num_seqs`;
 yields the step's usage record (engine/step_update.py, the second half).
 
 Order of a step:
-  0. If the head of the premium queue cannot fit, preempt running standard
-     requests (newest first) until it can.
+  0. If the waiting premium requests cannot fit, preempt running standard
+     requests (newest first) until they can: the head, and those behind it
+     as far as the step's tokens reach.
   1. Running requests, decodes before prefill chunks, each in priority order
      (premium, then arrival). A request that cannot get a block preempts the
      lowest-priority running request below it, or itself if there is none,
@@ -281,12 +282,12 @@ class Scheduler(StepUpdates):
 
     def _make_room_for_premium(self, plan: _StepPlan) -> bool:
         """Preempt standard work so that the premium requests waiting now can
-        be admitted this step, as many as the step's budget reaches; whether
-        the head now fits.
+        be admitted this step: the head, then those behind it as far as the
+        tokens left reach; whether the head now fits.
 
-        All of them, not only the head: with every seat taken, a burst of
-        premium arrivals would otherwise be admitted one a step, each prompt
-        step after the last, where an idle server prefills them together.
+        Not only the head: with every seat taken, a burst of premium
+        arrivals would otherwise be admitted one a step, each prompt step
+        after the last, where an idle server prefills them together.
         Done before anything is scheduled, so the victims give back blocks that
         hold only computed KV and no slice has to be unwound."""
         queue = self.waiting[Tier.PREMIUM]
@@ -307,12 +308,14 @@ class Scheduler(StepUpdates):
         # Seats too: with max_num_seqs standard requests running, premium
         # would otherwise wait for one of them to finish.
         seats = self._num_running_seqs() - self.config.max_num_seqs
-        budget = plan.budget
-        for req in self._premium_admissible(queue):
-            if budget == 0:
+        # What admission will have left, so that nobody is preempted for a
+        # request the step then has no tokens for.
+        left = plan.budget - self._tokens_before_premium_admission()
+        for req in self._premium_burst(list(queue)):
+            if req is not head and left <= 0:
                 break
-            chunk = min(req.num_tokens, budget)
-            budget -= chunk
+            chunk = min(req.num_tokens, plan.budget if req is head else left)
+            left -= chunk
             needed += -(-chunk // self.block_size)
             seats += req.num_seqs
             while self.kv.num_free_blocks() < needed or seats > 0:
@@ -324,19 +327,34 @@ class Scheduler(StepUpdates):
                 self._preempt(victim, plan, caused_by=req.request_id)
         return True
 
-    def _premium_admissible(self, queue: deque[Request]):
-        """The head, then the waiting premium requests that `_admit_waiting`
-        would admit after it this step as far as adapters go: ready, and
-        within the slots left once the earlier ones took theirs."""
-        new_keys = set()
+    def _tokens_before_premium_admission(self) -> int:
+        """Tokens that running requests take in this step before waiting
+        premium requests are admitted: every decode (standard ones may yet
+        wait the step out), with as many drafts as each may carry, and the
+        running premium prompts' chunks."""
+        per_decode = 1 + (self.speculation.config.num_speculative_tokens if self.speculation is not None else 0)
+        return sum(per_decode if r.num_remaining_tokens == 1 else
+                   r.num_remaining_tokens if r.tier is Tier.PREMIUM else 0 for r in self.running)
+
+    def _premium_burst(self, queue: list[Request]):
+        """The head (already admissible), then the requests behind it up to
+        the first whose adapter cannot run this step, with the adapter slots
+        that the ones before it take counted. `_admit_waiting` stops at that
+        one too when the seats are full, so nobody after it is seated in
+        vain. It reads the slots itself: `verdict` would start a
+        slot-starvation clock for a request that admission does not reach."""
+        adapters = self.adapters
+        keys = set()
         for req in queue:
             key = req.adapter_key
-            if req is not queue[0] and self.adapters.verdict(req, self._step_id) is not SlotVerdict.ADMIT:
-                continue
-            if key is not None and key not in self.adapters.running and key not in new_keys:
-                if len(self.adapters.running) + len(new_keys) >= self.adapters.max_loras:
-                    continue
-                new_keys.add(key)
+            if key is not None and req is not queue[0]:
+                if not adapters.is_ready(key):
+                    return
+                if key not in keys and key not in adapters.running and \
+                        len(keys | set(adapters.running)) >= adapters.max_loras:
+                    return
+            if key is not None:
+                keys.add(key)
             yield req
 
     def _blocks_to_grow(self, req: Request) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.adapter_slots import AdapterSlotPolicy
 from engine.errors import ValidationError
 from engine.request import FinishReason, RequestStatus, Tier
 from engine.tier_steps import MAX_DEFERRED_IN_A_ROW
@@ -151,28 +152,38 @@ def test_premium_takes_a_seat_from_the_newest_standard_when_max_num_seqs_is_full
     assert not out.preemptions and slices(out) == {"s1": 1, "s2": 1}
 
 
+def _standard_running(s, rids, prompt_len=4, adapters=None) -> None:
+    """Admits standard requests `rids` (with their `adapters`) and prefills them."""
+    for rid, adapter in zip(rids, adapters or [None] * len(rids)):
+        s.add_request(make_request(rid, prompt_len, max_tokens=50, adapter=adapter))
+    step(s)
+
+
+def _premium_arrive(s, rids, prompt_len=4, adapters=None, **params) -> None:
+    for rid, adapter in zip(rids, adapters or [None] * len(rids)):
+        s.add_request(make_request(rid, prompt_len, tier=Tier.PREMIUM, max_tokens=50, adapter=adapter, **params))
+
+
+def _victims(out) -> list[tuple[str, str]]:
+    return [(p.victim_id, p.caused_by) for p in out.preemptions]
+
+
 def test_a_burst_of_premium_arrivals_takes_seats_together_when_max_num_seqs_is_full():
     # On an idle server two premium requests waiting together prefill in one
     # step; with every seat taken they must too, not one step after another.
     s = make_scheduler(budget=64, max_seqs=3)
-    for rid in ("s1", "s2", "s3"):
-        s.add_request(make_request(rid, 4, max_tokens=50))
-    step(s)
-    s.add_request(make_request("p1", 4, tier=Tier.PREMIUM, max_tokens=50))
-    s.add_request(make_request("p2", 4, tier=Tier.PREMIUM, max_tokens=50))
+    _standard_running(s, ["s1", "s2", "s3"])
+    _premium_arrive(s, ["p1", "p2"])
     out, _ = step(s)
-    assert [(p.victim_id, p.caused_by) for p in out.preemptions] == [("s3", "p1"), ("s2", "p2")]
+    assert _victims(out) == [("s3", "p1"), ("s2", "p2")]
     assert slices(out) == {"s1": 1, "p1": 4, "p2": 4}
     # Only as many as the step's budget reaches: a third prompt past it waits
     # for the next step, and no seat is taken for it before then.
     s = make_scheduler(budget=10, max_seqs=3)
-    for rid in ("s1", "s2", "s3"):
-        s.add_request(make_request(rid, 4, max_tokens=50))
-    step(s)
-    for rid in ("p1", "p2", "p3"):
-        s.add_request(make_request(rid, 5, tier=Tier.PREMIUM, max_tokens=50))
+    _standard_running(s, ["s1", "s2", "s3"])
+    _premium_arrive(s, ["p1", "p2", "p3"], prompt_len=5)
     out, _ = step(s)
-    assert [p.victim_id for p in out.preemptions] == ["s3", "s2"]
+    assert _victims(out) == [("s3", "p1"), ("s2", "p2")]
     assert [r.request_id for r in s.waiting[Tier.PREMIUM]] == ["p3"]
 
 
@@ -180,14 +191,55 @@ def test_a_premium_burst_takes_no_seat_for_a_request_its_adapter_keeps_out():
     # Two adapter slots, one held by standard work on "a": the head takes the
     # other for "b", so "c" cannot run this step and nobody is preempted for it.
     s = make_scheduler(budget=64, max_seqs=2, max_loras=2)
-    s.add_request(make_request("s1", 4, max_tokens=50, adapter="a"))
-    s.add_request(make_request("s2", 4, max_tokens=50, adapter="a"))
-    step(s)
-    s.add_request(make_request("p1", 4, tier=Tier.PREMIUM, max_tokens=50, adapter="b"))
-    s.add_request(make_request("p2", 4, tier=Tier.PREMIUM, max_tokens=50, adapter="c"))
+    _standard_running(s, ["s1", "s2"], adapters=["a", "a"])
+    _premium_arrive(s, ["p1", "p2"], adapters=["b", "c"])
     out, _ = step(s)
-    assert [(p.victim_id, p.caused_by) for p in out.preemptions] == [("s2", "p1")]
+    assert _victims(out) == [("s2", "p1")]
     assert slices(out) == {"s1": 1, "p1": 4}
+
+
+def test_a_premium_burst_takes_no_seat_for_a_request_the_step_has_no_tokens_for():
+    # The decodes take 3 of the 10 tokens and the head's prompt the rest:
+    # a seat taken for p2 now would only have its holder recomputed.
+    s = make_scheduler(budget=10, max_seqs=3)
+    _standard_running(s, ["s1", "s2", "s3"], prompt_len=3)
+    s.add_request(make_request("p1", 9, tier=Tier.PREMIUM, max_tokens=50))
+    s.add_request(make_request("p2", 5, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert _victims(out) == [("s3", "p1")]
+    assert slices(out) == {"s1": 1, "s2": 1, "p1": 8}
+    # A running premium prompt's chunk comes before admission too.
+    s = make_scheduler(budget=16, max_seqs=4)
+    _standard_running(s, ["s1", "s2", "s3"], prompt_len=3)
+    s.add_request(make_request("pl", 40, tier=Tier.PREMIUM, max_tokens=50))
+    out, _ = step(s)
+    assert slices(out)["pl"] == 13  # 27 tokens of it left for the next step
+    _premium_arrive(s, ["p1", "p2"])
+    out, _ = step(s)
+    assert [caused_by for _, caused_by in _victims(out)] == ["p1"]
+
+
+def test_a_premium_burst_stops_at_a_request_whose_adapter_is_not_loaded():
+    # Admission would stop at p2 with the seats full, so p3 gets no seat now.
+    policy = AdapterSlotPolicy(4, 32, is_ready=lambda key: key != "loading")
+    s = make_scheduler(budget=64, max_seqs=3, adapter_policy=policy)
+    _standard_running(s, ["s1", "s2", "s3"])
+    _premium_arrive(s, ["p1"])
+    _premium_arrive(s, ["p2"], adapters=["loading"], n=2)
+    _premium_arrive(s, ["p3"])
+    out, _ = step(s)
+    assert _victims(out) == [("s3", "p1")]
+    assert slices(out) == {"s1": 1, "s2": 1, "p1": 4}
+
+
+def test_a_premium_burst_counts_the_slot_its_head_takes_back():
+    # Preempting s3 for p1's seat frees adapter a's slot, but p1 takes it
+    # back: c has no slot this step, so nobody is preempted for p2.
+    s = make_scheduler(budget=64, max_seqs=3, max_loras=2)
+    _standard_running(s, ["s1", "s2", "s3"], adapters=["x", "x", "a"])
+    _premium_arrive(s, ["p1", "p2"], adapters=["a", "c"])
+    out, _ = step(s)
+    assert _victims(out) == [("s3", "p1")]
 
 
 def test_chunked_prefill_splits_long_prompt_and_mixes_with_decodes():
