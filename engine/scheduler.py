@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.adapter_slots import AdapterSlotPolicy, SlotVerdict, standard_only_adapter
@@ -336,7 +337,7 @@ class Scheduler(StepUpdates):
         return sum(per_decode if r.num_remaining_tokens == 1 else
                    r.num_remaining_tokens if r.tier is Tier.PREMIUM else 0 for r in self.running)
 
-    def _premium_burst(self, queue: list[Request]):
+    def _premium_burst(self, queue: list[Request]) -> Iterator[Request]:
         """The head (already admissible), then the requests behind it up to
         the first whose adapter cannot run this step, with the adapter slots
         that the ones before it take counted. `_admit_waiting` stops at that
