@@ -54,10 +54,15 @@ class AdapterSlotPolicy:
         starving = self._starving_key(step)
         if starving is not None and key != starving and req.tier is not Tier.PREMIUM:
             return SlotVerdict.WAIT_SLOT
-        if key in self.running or len(self.running) < self.max_loras:
+        if self.has_slot(key):
             return SlotVerdict.ADMIT
         self._blocked_since.setdefault(req.request_id, (step, key))
         return SlotVerdict.WAIT_SLOT
+
+    def has_slot(self, key: Hashable, taking: set = frozenset()) -> bool:
+        """Whether `key` can run beside the running adapters and those in
+        `taking` (about to start); unlike `verdict`, no clock starts."""
+        return key in self.running or key in taking or len(taking | self.running.keys()) < self.max_loras
 
     def on_running(self, req: Request) -> None:
         self._blocked_since.pop(req.request_id, None)

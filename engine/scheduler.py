@@ -344,16 +344,12 @@ class Scheduler(StepUpdates):
         one too when the seats are full, so nobody after it is seated in
         vain. It reads the slots itself: `verdict` would start a
         slot-starvation clock for a request that admission does not reach."""
-        adapters = self.adapters
         keys = set()
         for req in queue:
             key = req.adapter_key
-            if key is not None and req is not queue[0]:
-                if not adapters.is_ready(key):
-                    return
-                if key not in keys and key not in adapters.running and \
-                        len(keys | set(adapters.running)) >= adapters.max_loras:
-                    return
+            if key is not None and req is not queue[0] and not (
+                    self.adapters.is_ready(key) and self.adapters.has_slot(key, keys)):
+                return
             if key is not None:
                 keys.add(key)
             yield req
