@@ -592,6 +592,128 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
   for (; g < g1; ++g) interleaved_tile<Lanes8, JB, 1>(w, xt, g, y, y_stride);
 }
 
+#ifndef __AVX512F__
+// Calls of kPanelMinRows token rows or more on AVX2 dequantize each pair of
+// groups once, a few blocks at a time, into a float32 panel in L1, and run
+// every token row over it kPanelRows at a time: 12 accumulators, 2 weight
+// vectors and a broadcast fill AVX2's 16 registers, with two weight loads
+// per 12 multiply-adds. The tiles above widen the same weights again for
+// every pass of 8 token rows, and their 8 accumulators are just enough
+// chains for two FMA pipes of latency 4, so on a 2-core Zen 3 they ran at
+// about 60% of the pipes' peak (docs/engine.md, "A dequantized panel"). The
+// panel holds the very lanes a tile's fused multiply-add makes, in the same
+// order (element i, then 16 + i, block by block), and each output continues
+// its one chain across panels through `out`, so a row's outputs are bit for
+// bit those of the tiles at any row count. Up to 16 rows the panel's own
+// costs (dequantizing to memory, as long as the weights take to stream)
+// left it level with the tiles, in one process alternated: from 17 rows on
+// a layer's calls ran 1.1-1.25x faster.
+constexpr int kPanelRows = 6;
+constexpr int64_t kPanelBlocks = 4;  // 128 x 16 floats, 8 KiB, beside its activations in L1
+constexpr int64_t kPanelMinRows = 17;
+
+// Blocks b0 .. b1 of NW groups from g, row-major [(b - b0) * 32 + 2 i + h][8 NW]:
+// element i + 16 h of each weight row, the 8 rows of group g + v in lanes 8 v ..
+template <int NW>
+inline void dequantize_panel(const Q41Interleaved& w, int64_t g, int64_t b0, int64_t b1, float* panel) {
+  for (int64_t b = b0; b < b1; ++b) {
+    float* dst = panel + (b - b0) * kBlock * 8 * NW;
+    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) {
+      const c10::Half* s = w.dm + ((g + v) * w.blocks + b) * 16;
+      const __m256 d = Lanes8::halves(s, 0), m = Lanes8::halves(s + 8, 0);
+      const uint8_t* nib = w.nib + ((g + v) * w.blocks + b) * (kBlock / 2) * 8;
+      _Pragma("GCC unroll 4") for (int i = 0; i < kBlock / 2; ++i) {
+        const __m256i bytes = Lanes8::bytes(nib + i * 8, 0);
+        _mm256_store_ps(dst + (2 * i) * 8 * NW + 8 * v, Lanes8::fmadd(Lanes8::low(bytes), d, m));
+        _mm256_store_ps(dst + (2 * i + 1) * 8 * NW + 8 * v, Lanes8::fmadd(Lanes8::high(bytes), d, m));
+      }
+    }
+  }
+}
+
+// y[j * y_stride + 8 v + lane] for MR token rows over `kk` panel rows; xp
+// holds the rows' activations in panel order, [kk][MR]. The first panel
+// of K starts the chains at zero, the others continue them from y.
+template <int MR, int NW>
+inline void panel_tile(const float* panel, const float* xp, int64_t kk, float* y, int64_t y_stride, bool first) {
+  __m256 acc[MR][NW];
+  _Pragma("GCC unroll 8") for (int j = 0; j < MR; ++j)
+    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v)
+      acc[j][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + j * y_stride + 8 * v);
+  for (int64_t c = 0; c < kk; ++c) {
+    __m256 wv[NW];
+    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) wv[v] = _mm256_load_ps(panel + c * 8 * NW + 8 * v);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MR; ++j) {
+      const __m256 xv = _mm256_broadcast_ss(xp + c * MR + j);
+      _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) acc[j][v] = _mm256_fmadd_ps(xv, wv[v], acc[j][v]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int j = 0; j < MR; ++j)
+    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) _mm256_storeu_ps(y + j * y_stride + 8 * v, acc[j][v]);
+}
+
+template <int NW>
+void panel_rows(const float* panel, const float* xp, int64_t m, int64_t k, int64_t b0, int64_t kk, float* y,
+                int64_t y_stride) {
+  const bool first = b0 == 0;
+  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  for (int64_t t = 0, r0 = 0, mr = 0; t < tiles; ++t, r0 += mr) {
+    mr = m / tiles + (t < m % tiles);
+    // The row tile's activations: mr rows over all of K, [K][mr] in panel order.
+    const float* xr = xp + r0 * k + b0 * kBlock * mr;
+    float* yr = y + r0 * y_stride;
+    switch (mr) {
+      case 6: panel_tile<6, NW>(panel, xr, kk, yr, y_stride, first); break;
+      case 5: panel_tile<5, NW>(panel, xr, kk, yr, y_stride, first); break;
+      case 4: panel_tile<4, NW>(panel, xr, kk, yr, y_stride, first); break;
+      case 3: panel_tile<3, NW>(panel, xr, kk, yr, y_stride, first); break;
+      case 2: panel_tile<2, NW>(panel, xr, kk, yr, y_stride, first); break;
+      default: panel_tile<1, NW>(panel, xr, kk, yr, y_stride, first);
+    }
+  }
+}
+
+void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
+               const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
+  const int64_t groups = n / 8;
+  // The rows in as few tiles of up to kPanelRows as hold them, of sizes that
+  // differ by one at most (17 rows: 6, 6, 5; a tile of 4 has only 8 chains),
+  // each [K][rows] with K in panel order: element i + 16 h of a block at 2 i + h.
+  std::vector<float> xp(m * k);
+  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  for (int64_t t = 0, r0 = 0, mr = 0; t < tiles; ++t, r0 += mr) {
+    mr = m / tiles + (t < m % tiles);
+    float* dst = xp.data() + r0 * k;
+    for (int64_t j = 0; j < mr; ++j) {
+      const float* src = x + (r0 + j) * x_stride;
+      for (int64_t b = 0; b < k / kBlock; ++b)
+        for (int i = 0; i < kBlock / 2; ++i) {
+          dst[(b * kBlock + 2 * i) * mr + j] = src[b * kBlock + i];
+          dst[(b * kBlock + 2 * i + 1) * mr + j] = src[b * kBlock + kBlock / 2 + i];
+        }
+    }
+  }
+  at::parallel_for(0, groups, std::max<int64_t>(1, min_rows / 8), [&](int64_t g0, int64_t g1) {
+    alignas(32) float panel[kPanelBlocks * kBlock * 16];
+    for (int64_t g = g0; g < g1;) {
+      const int nw = g + 2 <= g1 ? 2 : 1;
+      for (int64_t b0 = 0; b0 < w.blocks; b0 += kPanelBlocks) {
+        const int64_t b1 = std::min(w.blocks, b0 + kPanelBlocks), kk = (b1 - b0) * kBlock;
+        if (nw == 2) {
+          dequantize_panel<2>(w, g, b0, b1, panel);
+          panel_rows<2>(panel, xp.data(), m, k, b0, kk, out + g * 8, out_stride);
+        } else {
+          dequantize_panel<1>(w, g, b0, b1, panel);
+          panel_rows<1>(panel, xp.data(), m, k, b0, kk, out + g * 8, out_stride);
+        }
+      }
+      g += nw;
+    }
+    if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, g0 * 8, (g1 - g0) * 8);
+  });
+}
+#endif
+
 // Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
 // f32_blocks. NV keeps JB * NV accumulators and NV weight vectors within
 // AVX2's 16 registers; for 1 to 3 rows it was picked by timing (a single
@@ -601,6 +723,9 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
 // pairs timed as over 4, 4 and 3).
 void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                      const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
+#ifndef __AVX512F__
+  if (m >= kPanelMinRows) return panel_f32(x, x_stride, m, w, n, k, bias, out, out_stride, min_rows);
+#endif
   const int64_t groups = n / 8;
   // Each pass's activations transposed, [K][rows of the pass], so that a
   // token row's k-th value is a broadcast at a fixed offset.

@@ -299,6 +299,18 @@ def weight_format(weight: QuantizedWeight) -> str:
     return {Int8Weight: "int8", Q41Weight: "int4", Q80Weight: "q8_0"}[type(weight)]
 
 
+# Row counts tried for a layer's quantized kernel beside float weights: up
+# to 128. Past that a call is prompt work, for which the float GEMM is made.
+# On a 2-core Zen 3 in float32 the Q4_1 panel (quant_linear.cpp) and oneDNN's
+# packed product were level on the calibration shape from 128 rows up, so
+# the crossover fell anywhere from 128 to 1024 rows between processes
+# (before the panel, 64 to 1024), while over a layer's four shapes the
+# packed product was 11% faster at 256 rows and 15% at 512
+# (benchmarks/quant_linear.py): a tie on one shape sent prompt steps to the
+# slower path in some processes and not in others.
+LAYER_CALIBRATION_ROWS = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= 128)
+
+
 @functools.cache
 def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = None,
               int8_activations: bool = False) -> int:
@@ -324,7 +336,8 @@ def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = No
     return cpu_linear.calibrated_limit(label, dtype, threads,
                                        lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                        lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i],
-                                                                      None, packed[i]))
+                                                                      None, packed[i]),
+                                       rows=LAYER_CALIBRATION_ROWS)
 
 
 # Row counts tried on an LM head. A step's head call has a row per sampling

@@ -78,7 +78,9 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [3, 6, 9])  # bfloat16's blocked formats: 9 rows take the dequantized tile
+# bfloat16's blocked formats: 9 rows take the dequantized tile; float32 Q4_1
+# on AVX2: 20 rows take the dequantized panel.
+@pytest.mark.parametrize("rows", [3, 6, 9, 20])
 def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
     qws, gen = quantized_weights((80, 96), seed=9)
     qw = qws[fmt]
@@ -96,7 +98,8 @@ def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
 @pytest.mark.parametrize("rows", [13, 37])
 @pytest.mark.parametrize("cancelling", [False, True], ids=["random", "cancelling"])
 @pytest.mark.parametrize("n", [102, 104])
-def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows, cancelling, n):
+@pytest.mark.parametrize("k", [96, 320])
+def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows, cancelling, n, k):
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
     score a token as its plain one-row decode would, or greedy output would
     change with speculation on. 37 rows take three of AMX's 16-row tiles, in
@@ -109,12 +112,15 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     On either, Q4_1 with 104 weight rows (13 groups of 8) reads them
     interleaved: on AVX2 in tiles of 1 to 4 groups, then single groups; on
     AVX-512 in tiles of 2 to 4 pairs of groups, then the pairs left one at
-    a time, then the one group left. 102 rows, not a multiple of 8, keep
-    the other paths."""
+    a time, then the one group left. On AVX2, calls of 17 rows or more (37,
+    29, 31, 32, 33) dequantize the groups into panels of 4 blocks of K
+    instead, pairs of groups then the one left, and continue each output's
+    chain from panel to panel: K = 320 takes three panels, the last one
+    short. 102 rows, not a multiple of 8, keep the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
-    qws, gen = quantized_weights((n, 96), seed=4, twin_blocks=cancelling)
+    qws, gen = quantized_weights((n, k), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
-    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
     if cancelling:
         x = _cancelling_rows(x)
     together = torch.empty(rows, n, dtype=dtype)
@@ -325,3 +331,30 @@ def test_the_head_limit_is_measured_on_the_head_once_a_process(kernel, kernel_ro
     kernel_rows("7")
     assert quant_linear.head_row_limit(kernel, head, float_head) == 7 and len(seen) == 2
     assert quant_linear.head_row_limit(None, head, float_head) == 0
+
+
+@pytest.mark.parametrize("fmt", ["int4", "q8_0"])
+def test_a_layer_limit_beside_float_weights_is_measured_up_to_128_rows(kernel, fmt, monkeypatch):
+    """Past 128 rows a layer's call is prompt work, left to the float GEMM
+    (LAYER_CALIBRATION_ROWS says why); the measurement never tries more, by
+    the real paths on the calibration shape."""
+    monkeypatch.delenv(quant_linear.cpu_linear.ROWS_ENV)
+    seen = []
+    real = quant_linear.cpu_linear.calibrated_limit
+
+    def calibrated(what, dtype, threads, run_kernel, run_torch, **kw):
+        if "beside float weights" not in what:  # the float path's own kernel limit
+            return real(what, dtype, threads, run_kernel, run_torch, **kw)
+        seen.append(kw)
+        x = torch.randn(3, HIDDEN)
+        out = torch.empty(3, quant_linear.cpu_linear.CALIBRATION_SHAPE[0])
+        run_kernel(x, out, 0)
+        ref = run_torch(x, 0)  # the float weights the quantized ones round
+        assert ((out - ref).norm() / ref.norm()).item() < 0.1
+        return real(what, dtype, threads, run_kernel, run_torch, rows=(1,))
+
+    monkeypatch.setattr(quant_linear.cpu_linear, "calibrated_limit", calibrated)
+    limit = quant_linear.row_limit.__wrapped__(torch.float32, torch.get_num_threads(), beside_float=fmt)
+    assert limit in (0, 1)
+    assert len(seen) == 1 and seen[0]["rows"] == quant_linear.LAYER_CALIBRATION_ROWS
+    assert max(quant_linear.LAYER_CALIBRATION_ROWS) == 128 and 1 in quant_linear.LAYER_CALIBRATION_ROWS
