@@ -604,12 +604,12 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
 // panel holds the very lanes a tile's fused multiply-add makes, in the same
 // order (element i, then 16 + i, block by block), and each output continues
 // its one chain across panels through `out`, so a row's outputs are bit for
-// bit those of the tiles at any row count. Up to 16 rows the panel's own
-// costs (dequantizing to memory, as long as the weights take to stream)
-// left it level with the tiles, in one process alternated: from 17 rows on
-// a layer's calls ran 1.1-1.25x faster.
+// bit those of the tiles at any row count. From 10 to 16 rows the panel's
+// own costs (dequantizing to memory, about as long as the weights take to
+// stream) left it level with the tiles on balance (a layer's calls 0.82x to
+// 1.15x as fast, in one process alternated); from 17 rows on, 1.2-1.3x.
 constexpr int kPanelRows = 6;
-constexpr int64_t kPanelBlocks = 4;  // 128 x 16 floats, 8 KiB, beside its activations in L1
+constexpr int64_t kPanelBlocks = 4;  // 128 x 16 floats, 8 KiB: the panel stays in L1
 constexpr int64_t kPanelMinRows = 17;
 
 // Blocks b0 .. b1 of NW groups from g, row-major [(b - b0) * 32 + 2 i + h][8 NW]:
@@ -677,8 +677,9 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
                const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t groups = n / 8;
   // The rows in as few tiles of up to kPanelRows as hold them, of sizes that
-  // differ by one at most (17 rows: 6, 6, 5; a tile of 4 has only 8 chains),
-  // each [K][rows] with K in panel order: element i + 16 h of a block at 2 i + h.
+  // differ by one at most (19 rows: 5, 5, 5, 4, not 6, 6, 6, 1, whose last
+  // tile would have 2 chains to keep two pipes busy), each [K][rows] with K
+  // in panel order: element i + 16 h of a block at 2 i + h.
   std::vector<float> xp(m * k);
   const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
   for (int64_t t = 0, r0 = 0, mr = 0; t < tiles; ++t, r0 += mr) {
@@ -715,7 +716,9 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
 #endif
 
 // Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
-// f32_blocks. NV keeps JB * NV accumulators and NV weight vectors within
+// f32_blocks (on AVX2, calls of kPanelMinRows rows or more take panel_f32
+// above; K = 0, which has no panel to continue a chain from, stays here and
+// writes zeros). NV keeps JB * NV accumulators and NV weight vectors within
 // AVX2's 16 registers; for 1 to 3 rows it was picked by timing (a single
 // row over 8 groups spilled and ran slower than over 4). NP keeps JB * NP
 // accumulators, NP weight vectors, their NP widened bytes and the NP d and
@@ -724,7 +727,7 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
 void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                      const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
 #ifndef __AVX512F__
-  if (m >= kPanelMinRows) return panel_f32(x, x_stride, m, w, n, k, bias, out, out_stride, min_rows);
+  if (m >= kPanelMinRows && k > 0) return panel_f32(x, x_stride, m, w, n, k, bias, out, out_stride, min_rows);
 #endif
   const int64_t groups = n / 8;
   // Each pass's activations transposed, [K][rows of the pass], so that a

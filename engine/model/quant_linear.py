@@ -32,7 +32,10 @@ host, AVX-512 ones included, goes further and reads a copy of its rows
 interleaved 8 at a time (`Q41Weight.interleaved`, made on the first call),
 so that lanes run over weight rows and each token row pays one multiply-add
 per 8 weights, or per 16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1
-to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5). With float32
+to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5); on AVX2 without
+AVX-512, calls of 17 rows or more dequantize it to a float32 panel per
+thread instead, bit for bit the same sums (1.2-1.3x faster at 17 to 128
+rows on the Zen 3). With float32
 activations on AVX-512, other calls of more than 4 rows widen each tile
 of weight rows once per thread, into float32, and run the widening loop's
 sums over it, bit for bit (26-41% faster at 32-64 rows on a 2-core Intel
@@ -299,15 +302,19 @@ def weight_format(weight: QuantizedWeight) -> str:
     return {Int8Weight: "int8", Q41Weight: "int4", Q80Weight: "q8_0"}[type(weight)]
 
 
-# Row counts tried for a layer's quantized kernel beside float weights: up
-# to 128. Past that a call is prompt work, for which the float GEMM is made.
-# On a 2-core Zen 3 in float32 the Q4_1 panel (quant_linear.cpp) and oneDNN's
-# packed product were level on the calibration shape from 128 rows up, so
-# the crossover fell anywhere from 128 to 1024 rows between processes
-# (before the panel, 64 to 1024), while over a layer's four shapes the
-# packed product was 11% faster at 256 rows and 15% at 512
-# (benchmarks/quant_linear.py): a tie on one shape sent prompt steps to the
-# slower path in some processes and not in others.
+# Row counts tried for a layer's quantized kernel beside float weights, in
+# every format, dtype and host: up to 128. Past that a call is prompt work,
+# for which the float GEMM is made. On a 2-core Zen 3 in float32 the Q4_1
+# kernel and oneDNN's packed product were level on the calibration shape
+# from 128 rows up, so the crossover fell at 128, 256 or 512 rows between
+# processes (64, 512 or 1024 before the panel of quant_linear.cpp), while
+# over a layer's shapes the kernel took 1.07-1.10x the packed product's
+# time at 256 rows (benchmarks/quant_linear.py): a tie on one shape sent
+# prompt steps to the slower path in some processes and not in others.
+# Ties past 64 rows moved other hosts' limits too (a 2-core Zen 4 in
+# bfloat16: Q4_1 from 64 to 256 rows between processes, the Q8_0 kernel on
+# this shape 32 in one and 512 in the next; docs/engine.md), where the
+# two paths were close.
 LAYER_CALIBRATION_ROWS = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= 128)
 
 

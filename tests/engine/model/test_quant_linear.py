@@ -113,22 +113,27 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     interleaved: on AVX2 in tiles of 1 to 4 groups, then single groups; on
     AVX-512 in tiles of 2 to 4 pairs of groups, then the pairs left one at
     a time, then the one group left. On AVX2, calls of 17 rows or more (37,
-    29, 31, 32, 33) dequantize the groups into panels of 4 blocks of K
-    instead, pairs of groups then the one left, and continue each output's
-    chain from panel to panel: K = 320 takes three panels, the last one
-    short. 102 rows, not a multiple of 8, keep the other paths."""
+    29, 31, 32, 33, 18, 19) dequantize the groups into panels of 4 blocks
+    of K instead, pairs of groups then the one left, and continue each
+    output's chain from panel to panel: K = 320 takes three panels, the
+    last one short. A bias is added after the whole chain, on every path.
+    102 rows, not a multiple of 8, keep the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
     qws, gen = quantized_weights((n, k), seed=4, twin_blocks=cancelling)
     qw = qws[fmt]
     x = torch.randn(rows, k, generator=gen).to(dtype)
     if cancelling:
         x = _cancelling_rows(x)
+    bias = torch.randn(n, generator=gen).to(dtype)  # added once, after every chain
     together = torch.empty(rows, n, dtype=dtype)
-    assert qw.run_kernel(kernel, x, None, together)
-    for split in ((1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8), (6, rows - 6)):
+    assert qw.run_kernel(kernel, x, bias, together)
+    splits = [(1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8), (6, rows - 6)]
+    if rows > 18:
+        splits.append((18, rows - 18))  # 37: 18 and 19 rows, tiles of 6, 6, 6 and 5, 5, 5, 4
+    for split in splits:
         parts = [torch.empty(len(rows), n, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
-            assert qw.run_kernel(kernel, rows, None, out)
+            assert qw.run_kernel(kernel, rows, bias, out)
         assert torch.equal(torch.cat(parts), together), split
 
 
@@ -358,3 +363,16 @@ def test_a_layer_limit_beside_float_weights_is_measured_up_to_128_rows(kernel, f
     assert limit in (0, 1)
     assert len(seen) == 1 and seen[0]["rows"] == quant_linear.LAYER_CALIBRATION_ROWS
     assert max(quant_linear.LAYER_CALIBRATION_ROWS) == 128 and 1 in quant_linear.LAYER_CALIBRATION_ROWS
+
+
+@pytest.mark.parametrize("fmt", ["int4", "q8_0"])  # the blocked formats (int8's quantizer wants K > 0)
+def test_an_empty_k_gives_the_bias_at_any_row_count(kernel, fmt):
+    """K = 0: every sum is empty, so each output is its bias, whichever path
+    the row count takes (on AVX2, 17 rows or more would take the panel,
+    which has no panel of K to write from)."""
+    qw = quant_linear.quantize(torch.zeros(16, 0), fmt)
+    bias = torch.randn(16)
+    for rows in (1, 8, 16, 17, 40):
+        out = torch.full((rows, 16), float("nan"))
+        assert qw.run_kernel(kernel, torch.empty(rows, 0), bias, out)
+        assert torch.equal(out, bias.expand(rows, 16)), rows
