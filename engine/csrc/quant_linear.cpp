@@ -612,6 +612,15 @@ constexpr int kPanelRows = 6;
 constexpr int64_t kPanelBlocks = 4;  // 128 x 16 floats, 8 KiB: the panel stays in L1
 constexpr int64_t kPanelMinRows = 17;
 
+// The rows in as few tiles of up to kPanelRows as hold them, of sizes that
+// differ by one at most (19 rows: 5, 5, 5, 4, not 6, 6, 6, 1, whose last
+// tile would have 2 chains to keep two pipes busy): tile t's size, of
+// panel_tiles(m). From 13 rows on no tile holds fewer than 4, so panel_rows
+// instantiates 4 to 6 only.
+static_assert(kPanelMinRows >= 13, "panel_rows has no tile of fewer than 4 rows");
+inline int64_t panel_tiles(int64_t m) { return (m + kPanelRows - 1) / kPanelRows; }
+inline int64_t panel_tile_rows(int64_t m, int64_t tiles, int64_t t) { return m / tiles + (t < m % tiles); }
+
 // Blocks b0 .. b1 of NW groups from g, row-major [(b - b0) * 32 + 2 i + h][8 NW]:
 // element i + 16 h of each weight row, the 8 rows of group g + v in lanes 8 v ..
 template <int NW>
@@ -656,19 +665,16 @@ template <int NW>
 void panel_rows(const float* panel, const float* xp, int64_t m, int64_t k, int64_t b0, int64_t kk, float* y,
                 int64_t y_stride) {
   const bool first = b0 == 0;
-  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  const int64_t tiles = panel_tiles(m);
   for (int64_t t = 0, r0 = 0, mr = 0; t < tiles; ++t, r0 += mr) {
-    mr = m / tiles + (t < m % tiles);
+    mr = panel_tile_rows(m, tiles, t);
     // The row tile's activations: mr rows over all of K, [K][mr] in panel order.
     const float* xr = xp + r0 * k + b0 * kBlock * mr;
     float* yr = y + r0 * y_stride;
     switch (mr) {
       case 6: panel_tile<6, NW>(panel, xr, kk, yr, y_stride, first); break;
       case 5: panel_tile<5, NW>(panel, xr, kk, yr, y_stride, first); break;
-      case 4: panel_tile<4, NW>(panel, xr, kk, yr, y_stride, first); break;
-      case 3: panel_tile<3, NW>(panel, xr, kk, yr, y_stride, first); break;
-      case 2: panel_tile<2, NW>(panel, xr, kk, yr, y_stride, first); break;
-      default: panel_tile<1, NW>(panel, xr, kk, yr, y_stride, first);
+      default: panel_tile<4, NW>(panel, xr, kk, yr, y_stride, first);
     }
   }
 }
@@ -676,14 +682,12 @@ void panel_rows(const float* panel, const float* xp, int64_t m, int64_t k, int64
 void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
   const int64_t groups = n / 8;
-  // The rows in as few tiles of up to kPanelRows as hold them, of sizes that
-  // differ by one at most (19 rows: 5, 5, 5, 4, not 6, 6, 6, 1, whose last
-  // tile would have 2 chains to keep two pipes busy), each [K][rows] with K
-  // in panel order: element i + 16 h of a block at 2 i + h.
+  // Each row tile's activations, [K][rows] with K in panel order: element
+  // i + 16 h of a block at 2 i + h.
   std::vector<float> xp(m * k);
-  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  const int64_t tiles = panel_tiles(m);
   for (int64_t t = 0, r0 = 0, mr = 0; t < tiles; ++t, r0 += mr) {
-    mr = m / tiles + (t < m % tiles);
+    mr = panel_tile_rows(m, tiles, t);
     float* dst = xp.data() + r0 * k;
     for (int64_t j = 0; j < mr; ++j) {
       const float* src = x + (r0 + j) * x_stride;
