@@ -27,12 +27,24 @@ shared host). Paths:
   int4_torchao   torchao's CPU int4 (PrototypeInt4WeightOnlyConfig, group 32:
                  torch._weight_int4pack_mm_for_cpu)
   int4_twin      our torch twin: dequantize for the call, then F.linear
+  int4_baseline  with --baseline-source: Q4_1 (and q8_0_baseline, Q8_0) on
+                 another quant_linear.cpp, an older commit's say, built
+                 beside the current one (with the current shared headers,
+                 called through the current Python wrappers: a source with
+                 other bindings shows as "fails") and timed in the same
+                 rounds; each row says whether its outputs equal int4_ours'
+                 (q8_0_ours') bit for bit
 
 Figures are microseconds per call. torchao is optional (pip install
 torchao==0.18.0 --no-deps); its paths are skipped without it.
 
     python benchmarks/quant_linear.py [--rows 1 4 16 64] [--dtype float32] [--rounds 7]
-        [--paths int4_ours int4_rows] [--out PATH]
+        [--paths int4_ours int4_rows] [--baseline-source OLD.cpp] [--out PATH]
+
+A change to the kernel, before and after in one process:
+
+    git show HEAD~1:engine/csrc/quant_linear.cpp > /tmp/old.cpp
+    python benchmarks/quant_linear.py --baseline-source /tmp/old.cpp --paths int4_ours int4_baseline
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the other CPU benchmar
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +87,22 @@ def torchao_linears(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str
     return found
 
 
-def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
-    """name -> fn(x, i) computing x @ weights[i]^T on that path."""
+def baseline_kernel(source: Path):
+    """`source` built as an extension of its own, beside the current kernel."""
+    import native
+    from engine.model import cpu_linear
+
+    kernel = native.Kernel("loragw_quant_linear_baseline", source.resolve(), "baseline quantized linear kernel",
+                           cpu_linear.ENV_SWITCH).load()
+    if kernel is None:
+        raise SystemExit(f"--baseline-source: {source} did not build (the log above says why), "
+                         "or the kernels are switched off")
+    return kernel
+
+
+def paths_for(weights: list[torch.Tensor], dtype: torch.dtype, baseline=None) -> dict:
+    """name -> fn(x, i) computing x @ weights[i]^T on that path; `baseline`,
+    another build of the quantized kernel, adds its Q4_1 and Q8_0 paths."""
     from engine.model import cpu_linear, quant_linear
 
     fk, qk = cpu_linear.load_kernel(), quant_linear.load_kernel()
@@ -109,6 +136,11 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
         q8a = [dataclasses.replace(w, int8_activations=True) for w in q8]
         paths["int4_act8"] = kernel_call(lambda x, i, out: q4a[i].run_kernel(qk, x, None, out))
         paths["q8_0_act8"] = kernel_call(lambda x, i, out: q8a[i].run_kernel(qk, x, None, out))
+    if baseline is not None:
+        # Weights of their own: each build makes its own interleaved copy.
+        q4b, q8b = [dataclasses.replace(w) for w in q4], [dataclasses.replace(w) for w in q8]
+        paths["int4_baseline"] = kernel_call(lambda x, i, out: q4b[i].run_kernel(baseline, x, None, out))
+        paths["q8_0_baseline"] = kernel_call(lambda x, i, out: q8b[i].run_kernel(baseline, x, None, out))
     if torch.backends.mkldnn.is_available():
         packed = [cpu_linear.packed_copy(w) for w in weights]
         paths["float_packed"] = lambda x, i: cpu_linear.linear(None, x, weights[i], None, packed[i])
@@ -117,15 +149,17 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype) -> dict:
     return paths
 
 
-def time_shape(paths: dict, n_weights: int, k: int, rows: int, dtype, rounds: int) -> dict[str, float]:
+def time_shape(paths: dict, n_weights: int, k: int, rows: int, dtype, rounds: int) -> dict[str, float | bool | str]:
     """path -> best microseconds per call over the rounds (each round runs
-    every path once over all the shape's weights, paths interleaved)."""
+    every path once over all the shape's weights, paths interleaved), or
+    why it failed; `int4_same_bits` and `q8_0_same_bits` where both builds
+    of that format ran."""
     x = torch.randn(rows, k, dtype=dtype)
     ref = paths["float_torch"](x, 0).float()
-    best = {}
+    best, outputs = {}, {}
     for name, fn in paths.items():
         try:
-            got = fn(x, 0).float()
+            got = outputs[name] = fn(x, 0).float()
         except Exception as exc:  # noqa: BLE001 - a library path that does not run here is a finding
             best[name] = f"fails: {type(exc).__name__}: {str(exc)[:120]}"
             continue
@@ -133,6 +167,10 @@ def time_shape(paths: dict, n_weights: int, k: int, rows: int, dtype, rounds: in
         assert err < 0.1, f"{name} disagrees with F.linear by {err:.3f} (relative)"
         best[name] = float("inf")
     live = [name for name, v in best.items() if v == float("inf")]
+    for fmt in ("int4", "q8_0"):
+        ours, base = outputs.get(f"{fmt}_ours"), outputs.get(f"{fmt}_baseline")
+        if ours is not None and base is not None:
+            best[f"{fmt}_same_bits"] = torch.equal(ours, base)
     for _ in range(rounds):
         for name in live:
             fn = paths[name]
@@ -153,6 +191,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--paths", nargs="+", default=None,
                         help="time these paths only (float_torch, the reference, always runs)")
+    parser.add_argument("--baseline-source", default=None,
+                        help="another quant_linear.cpp to time beside this one (int4_baseline, q8_0_baseline)")
     parser.add_argument("--out", default="benchmarks/results/quant_linear.json")
     args = parser.parse_args()
     if args.threads:
@@ -160,11 +200,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     result: dict = {"args": vars(args), "machine": machine_facts(), "load_before": load_average(),
                     "unit": "us per call, best of rounds", "shapes": {}}
+    baseline = baseline_kernel(Path(args.baseline_source)) if args.baseline_source else None
     gen = torch.Generator().manual_seed(0)
     for label, (n, k) in SHAPES.items():
         copies = 1 if n == VOCAB else LAYERS
         weights = [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(copies)]
-        paths = paths_for(weights, dtype)
+        paths = paths_for(weights, dtype, baseline)
         if args.paths:
             unknown = set(args.paths) - set(paths)
             if unknown:  # a misspelt path, or one this host does not have (int4_rows without the copy)

@@ -507,6 +507,7 @@ struct Lanes8 {
   static F high(I b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
@@ -529,6 +530,7 @@ struct Lanes16 {
   static F high(I b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #endif
@@ -592,49 +594,86 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
   for (; g < g1; ++g) interleaved_tile<Lanes8, JB, 1>(w, xt, g, y, y_stride);
 }
 
-#ifndef __AVX512F__
-// Calls of kPanelMinRows token rows or more on AVX2 dequantize each pair of
-// groups once, a few blocks at a time, into a float32 panel in L1, and run
-// every token row over it kPanelRows at a time: 12 accumulators, 2 weight
-// vectors and a broadcast fill AVX2's 16 registers, with two weight loads
-// per 12 multiply-adds. The tiles above widen the same weights again for
-// every pass of 8 token rows, and their 8 accumulators are just enough
-// chains for two FMA pipes of latency 4, so on a 2-core Zen 3 they ran at
-// about 60% of the pipes' peak (docs/engine.md, "A dequantized panel"). The
-// panel holds the very lanes a tile's fused multiply-add makes, in the same
-// order (element i, then 16 + i, block by block), and each output continues
-// its one chain across panels through `out`, so a row's outputs are bit for
-// bit those of the tiles at any row count. From 10 to 16 rows the panel's
-// own costs (dequantizing to memory, about as long as the weights take to
-// stream) left it level with the tiles on balance (a layer's calls 0.82x to
-// 1.15x as fast, in one process alternated); from 17 rows on, 1.2-1.3x.
+// Calls of kPanelMinRows token rows or more dequantize a few groups once, a
+// few blocks at a time, into a float32 panel in L1, and run every token row
+// over it up to kPanelRows at a time. The tiles above widen the same
+// weights again for every pass of 8 token rows, and keep only as many
+// accumulators as two FMA pipes of latency 4 need, with no slack for the
+// widening's own multiply-add: on a 2-core Zen 3 they ran at about 60% of
+// the pipes' peak (docs/engine.md, "A dequantized panel"). The panel holds
+// the very lanes a tile's fused multiply-add makes, in the same order
+// (element i, then 16 + i, block by block), and each output continues its
+// one chain across panels through `out`, so a row's outputs are bit for bit
+// those of the tiles at any row count.
+//   AVX2: a pair of groups (two 8-lane vectors a step along K) and tiles of
+//   up to 6 rows, 12 accumulators: with 2 weight vectors and a broadcast,
+//   AVX2's 16 registers. From 10 to 16 rows the panel's own costs
+//   (dequantizing to memory, about as long as the weights take to stream)
+//   left it level with the tiles on balance (a layer's calls 0.82x to 1.15x
+//   as fast, in one process alternated); from 17 rows on, 1.2-1.3x.
+//   AVX-512: four groups (two 16-lane vectors) and tiles of up to 12 rows,
+//   24 accumulators of AVX-512's 32 registers. On a 2-core Intel Xeon
+//   (Emerald Rapids) a layer's calls were 1.02-1.12x as fast from 9 to 16
+//   rows and 1.1-1.3x from 17 to 128, but 0.85-0.94x at 6 to 8, where the
+//   tiles take all the rows in one pass (docs/engine.md, "The panel on
+//   AVX-512").
+#ifdef __AVX512F__
+constexpr int kPanelGroups = 4;
+constexpr int kPanelRows = 12;
+constexpr int kPanelMinTile = 6;
+constexpr int64_t kPanelMinRows = 9;
+#else
+constexpr int kPanelGroups = 2;
 constexpr int kPanelRows = 6;
-constexpr int64_t kPanelBlocks = 4;  // 128 x 16 floats, 8 KiB: the panel stays in L1
+constexpr int kPanelMinTile = 4;
 constexpr int64_t kPanelMinRows = 17;
+#endif
+constexpr int64_t kPanelBlocks = 4;  // 4 x 32 x 16 floats on AVX2, 8 KiB; 16 KiB on AVX-512: in L1
 
 // The rows in as few tiles of up to kPanelRows as hold them, of sizes that
-// differ by one at most (19 rows: 5, 5, 5, 4, not 6, 6, 6, 1, whose last
-// tile would have 2 chains to keep two pipes busy): tile t's size, of
-// panel_tiles(m). From 13 rows on no tile holds fewer than 4, so panel_rows
-// instantiates 4 to 6 only.
-static_assert(kPanelMinRows >= 13, "panel_rows has no tile of fewer than 4 rows");
-inline int64_t panel_tiles(int64_t m) { return (m + kPanelRows - 1) / kPanelRows; }
-inline int64_t panel_tile_rows(int64_t m, int64_t tiles, int64_t t) { return m / tiles + (t < m % tiles); }
+// differ by one at most (19 rows on AVX2: 5, 5, 5, 4, not 6, 6, 6, 1,
+// whose last tile would have too few chains to keep two pipes busy): tile
+// t's size, of panel_tiles(m).
+inline constexpr int64_t panel_tiles(int64_t m) { return (m + kPanelRows - 1) / kPanelRows; }
+inline constexpr int64_t panel_tile_rows(int64_t m, int64_t tiles, int64_t t) { return m / tiles + (t < m % tiles); }
+// So that panel_rows instantiates kPanelMinTile to kPanelRows only. Past
+// kPanelRows * kPanelRows rows no tile has fewer than kPanelRows - 1 (m
+// rows in ceil(m / R) tiles: at least m R / (m + R) > R - 1 each), so the
+// loop stops there.
+static_assert(kPanelMinTile <= kPanelRows - 1, "panel_tiles_fit checks up to kPanelRows * kPanelRows rows only");
+constexpr bool panel_tiles_fit() {
+  for (int64_t m = kPanelMinRows; m <= kPanelRows * kPanelRows; ++m)
+    if (m / panel_tiles(m) < kPanelMinTile) return false;
+  return true;
+}
+static_assert(panel_tiles_fit(), "a call of kPanelMinRows rows or more has a tile under kPanelMinTile rows");
+
+// The lanes a panel of NW groups is read and written in: 16 (pairs of
+// groups) on AVX-512 where NW is even, else 8 (one group).
+#ifdef __AVX512F__
+template <int NW>
+using PanelLanes = std::conditional_t<NW % 2 == 0, Lanes16, Lanes8>;
+#else
+template <int NW>
+using PanelLanes = Lanes8;
+#endif
 
 // Blocks b0 .. b1 of NW groups from g, row-major [(b - b0) * 32 + 2 i + h][8 NW]:
 // element i + 16 h of each weight row, the 8 rows of group g + v in lanes 8 v ..
 template <int NW>
 inline void dequantize_panel(const Q41Interleaved& w, int64_t g, int64_t b0, int64_t b1, float* panel) {
+  typedef PanelLanes<NW> L;
+  const int64_t next_dm = w.blocks * 16, next_nib = w.blocks * (kBlock / 2) * 8;  // group g to g + 1
   for (int64_t b = b0; b < b1; ++b) {
     float* dst = panel + (b - b0) * kBlock * 8 * NW;
-    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) {
+    _Pragma("GCC unroll 2") for (int v = 0; v < NW; v += L::kGroups) {
       const c10::Half* s = w.dm + ((g + v) * w.blocks + b) * 16;
-      const __m256 d = Lanes8::halves(s, 0), m = Lanes8::halves(s + 8, 0);
+      const typename L::F d = L::halves(s, next_dm), m = L::halves(s + 8, next_dm);
       const uint8_t* nib = w.nib + ((g + v) * w.blocks + b) * (kBlock / 2) * 8;
       _Pragma("GCC unroll 4") for (int i = 0; i < kBlock / 2; ++i) {
-        const __m256i bytes = Lanes8::bytes(nib + i * 8, 0);
-        _mm256_store_ps(dst + (2 * i) * 8 * NW + 8 * v, Lanes8::fmadd(Lanes8::low(bytes), d, m));
-        _mm256_store_ps(dst + (2 * i + 1) * 8 * NW + 8 * v, Lanes8::fmadd(Lanes8::high(bytes), d, m));
+        const typename L::I bytes = L::bytes(nib + i * 8, next_nib);
+        L::store(dst + (2 * i) * 8 * NW + 8 * v, L::fmadd(L::low(bytes), d, m));
+        L::store(dst + (2 * i + 1) * 8 * NW + 8 * v, L::fmadd(L::high(bytes), d, m));
       }
     }
   }
@@ -645,37 +684,53 @@ inline void dequantize_panel(const Q41Interleaved& w, int64_t g, int64_t b0, int
 // of K starts the chains at zero, the others continue them from y.
 template <int MR, int NW>
 inline void panel_tile(const float* panel, const float* xp, int64_t kk, float* y, int64_t y_stride, bool first) {
-  __m256 acc[MR][NW];
-  _Pragma("GCC unroll 8") for (int j = 0; j < MR; ++j)
-    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v)
-      acc[j][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + j * y_stride + 8 * v);
+  typedef PanelLanes<NW> L;
+  constexpr int NV = NW / L::kGroups, W = 8 * L::kGroups;  // vectors a panel row, and their lanes
+  typename L::F acc[MR][NV];
+  _Pragma("GCC unroll 16") for (int j = 0; j < MR; ++j)
+    _Pragma("GCC unroll 2") for (int v = 0; v < NV; ++v)
+      acc[j][v] = first ? L::zero() : L::load(y + j * y_stride + W * v);
   for (int64_t c = 0; c < kk; ++c) {
-    __m256 wv[NW];
-    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) wv[v] = _mm256_load_ps(panel + c * 8 * NW + 8 * v);
-    _Pragma("GCC unroll 8") for (int j = 0; j < MR; ++j) {
-      const __m256 xv = _mm256_broadcast_ss(xp + c * MR + j);
-      _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) acc[j][v] = _mm256_fmadd_ps(xv, wv[v], acc[j][v]);
+    typename L::F wv[NV];
+    _Pragma("GCC unroll 2") for (int v = 0; v < NV; ++v) wv[v] = L::load(panel + c * 8 * NW + W * v);
+    _Pragma("GCC unroll 16") for (int j = 0; j < MR; ++j) {
+      const typename L::F xv = L::broadcast(xp + c * MR + j);
+      _Pragma("GCC unroll 2") for (int v = 0; v < NV; ++v) acc[j][v] = L::fmadd(xv, wv[v], acc[j][v]);
     }
   }
-  _Pragma("GCC unroll 8") for (int j = 0; j < MR; ++j)
-    _Pragma("GCC unroll 2") for (int v = 0; v < NW; ++v) _mm256_storeu_ps(y + j * y_stride + 8 * v, acc[j][v]);
+  _Pragma("GCC unroll 16") for (int j = 0; j < MR; ++j)
+    _Pragma("GCC unroll 2") for (int v = 0; v < NV; ++v) L::store(y + j * y_stride + W * v, acc[j][v]);
+}
+
+// panel_tile for a tile of mr rows, kPanelMinTile <= mr <= MR.
+template <int NW, int MR = kPanelRows>
+inline void panel_tile_of(int64_t mr, const float* panel, const float* xp, int64_t kk, float* y, int64_t y_stride,
+                          bool first) {
+  if constexpr (MR > kPanelMinTile) {
+    if (mr < MR) return panel_tile_of<NW, MR - 1>(mr, panel, xp, kk, y, y_stride, first);
+  }
+  panel_tile<MR, NW>(panel, xp, kk, y, y_stride, first);
 }
 
 template <int NW>
 void panel_rows(const float* panel, const float* xp, int64_t m, int64_t k, int64_t b0, int64_t kk, float* y,
                 int64_t y_stride) {
-  const bool first = b0 == 0;
   const int64_t tiles = panel_tiles(m);
   for (int64_t t = 0, r0 = 0, mr = 0; t < tiles; ++t, r0 += mr) {
     mr = panel_tile_rows(m, tiles, t);
     // The row tile's activations: mr rows over all of K, [K][mr] in panel order.
-    const float* xr = xp + r0 * k + b0 * kBlock * mr;
-    float* yr = y + r0 * y_stride;
-    switch (mr) {
-      case 6: panel_tile<6, NW>(panel, xr, kk, yr, y_stride, first); break;
-      case 5: panel_tile<5, NW>(panel, xr, kk, yr, y_stride, first); break;
-      default: panel_tile<4, NW>(panel, xr, kk, yr, y_stride, first);
-    }
+    panel_tile_of<NW>(mr, panel, xp + r0 * k + b0 * kBlock * mr, kk, y + r0 * y_stride, y_stride, b0 == 0);
+  }
+}
+
+// Groups g .. g + NW over every panel of K.
+template <int NW>
+void panel_groups(const Q41Interleaved& w, int64_t g, const float* xp, int64_t m, int64_t k, float* panel, float* y,
+                  int64_t y_stride) {
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += kPanelBlocks) {
+    const int64_t b1 = std::min(w.blocks, b0 + kPanelBlocks);
+    dequantize_panel<NW>(w, g, b0, b1, panel);
+    panel_rows<NW>(panel, xp, m, k, b0, (b1 - b0) * kBlock, y + g * 8, y_stride);
   }
 }
 
@@ -699,29 +754,21 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
     }
   }
   at::parallel_for(0, groups, std::max<int64_t>(1, min_rows / 8), [&](int64_t g0, int64_t g1) {
-    alignas(32) float panel[kPanelBlocks * kBlock * 16];
-    for (int64_t g = g0; g < g1;) {
-      const int nw = g + 2 <= g1 ? 2 : 1;
-      for (int64_t b0 = 0; b0 < w.blocks; b0 += kPanelBlocks) {
-        const int64_t b1 = std::min(w.blocks, b0 + kPanelBlocks), kk = (b1 - b0) * kBlock;
-        if (nw == 2) {
-          dequantize_panel<2>(w, g, b0, b1, panel);
-          panel_rows<2>(panel, xp.data(), m, k, b0, kk, out + g * 8, out_stride);
-        } else {
-          dequantize_panel<1>(w, g, b0, b1, panel);
-          panel_rows<1>(panel, xp.data(), m, k, b0, kk, out + g * 8, out_stride);
-        }
-      }
-      g += nw;
+    alignas(64) float panel[kPanelBlocks * kBlock * 8 * kPanelGroups];
+    int64_t g = g0;
+    for (; g + kPanelGroups <= g1; g += kPanelGroups)
+      panel_groups<kPanelGroups>(w, g, xp.data(), m, k, panel, out, out_stride);
+    if constexpr (kPanelGroups > 2) {
+      for (; g + 2 <= g1; g += 2) panel_groups<2>(w, g, xp.data(), m, k, panel, out, out_stride);
     }
+    for (; g < g1; ++g) panel_groups<1>(w, g, xp.data(), m, k, panel, out, out_stride);
     if (bias != nullptr) add_bias_tile(out, out_stride, m, bias, g0 * 8, (g1 - g0) * 8);
   });
 }
-#endif
 
 // Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
-// f32_blocks (on AVX2, calls of kPanelMinRows rows or more take panel_f32
-// above; K = 0, which has no panel to continue a chain from, stays here and
+// f32_blocks (calls of kPanelMinRows rows or more take panel_f32 above;
+// K = 0, which has no panel to continue a chain from, stays here and
 // writes zeros). NV keeps JB * NV accumulators and NV weight vectors within
 // AVX2's 16 registers; for 1 to 3 rows it was picked by timing (a single
 // row over 8 groups spilled and ran slower than over 4). NP keeps JB * NP
@@ -730,9 +777,7 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
 // pairs timed as over 4, 4 and 3).
 void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                      const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
-#ifndef __AVX512F__
   if (m >= kPanelMinRows && k > 0) return panel_f32(x, x_stride, m, w, n, k, bias, out, out_stride, min_rows);
-#endif
   const int64_t groups = n / 8;
   // Each pass's activations transposed, [K][rows of the pass], so that a
   // token row's k-th value is a broadcast at a fixed offset.

@@ -78,8 +78,8 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-# bfloat16's blocked formats: 9 rows take the dequantized tile; float32 Q4_1
-# on AVX2: 20 rows take the dequantized panel.
+# bfloat16's blocked formats: 9 rows take the dequantized tile; float32 Q4_1:
+# 9 rows take the dequantized panel on AVX-512, 20 on AVX2.
 @pytest.mark.parametrize("rows", [3, 6, 9, 20])
 def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
     qws, gen = quantized_weights((80, 96), seed=9)
@@ -97,7 +97,7 @@ def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [13, 37])
 @pytest.mark.parametrize("cancelling", [False, True], ids=["random", "cancelling"])
-@pytest.mark.parametrize("n", [102, 104])
+@pytest.mark.parametrize("n", [102, 120])
 @pytest.mark.parametrize("k", [96, 320])
 def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtype, rows, cancelling, n, k):
     """Bit for bit: a speculating sequence's verification (1 + K rows) must
@@ -109,14 +109,17 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     tile, then the last 1, 2 or 3 in one pass: 6, 7 and 31 rows reach those
     last passes. On AVX2 every float32 call goes 8 rows at a time, then the
     last 1 to 7 in one pass: the splits reach every group size from 1 to 8.
-    On either, Q4_1 with 104 weight rows (13 groups of 8) reads them
+    On either, Q4_1 with 120 weight rows (15 groups of 8) reads them
     interleaved: on AVX2 in tiles of 1 to 4 groups, then single groups; on
     AVX-512 in tiles of 2 to 4 pairs of groups, then the pairs left one at
-    a time, then the one group left. On AVX2, calls of 17 rows or more (37,
-    29, 31, 32, 33, 18, 19) dequantize the groups into panels of 4 blocks
-    of K instead, pairs of groups then the one left, and continue each
-    output's chain from panel to panel: K = 320 takes three panels, the
-    last one short. A bias is added after the whole chain, on every path.
+    a time, then the one group left. Calls of 9 rows or more on AVX-512, 17
+    or more on AVX2, dequantize the groups into panels of 4 blocks of K
+    instead (AVX-512: four groups, then a pair, then the one left; AVX2:
+    pairs, then the one left) and continue each output's chain from panel
+    to panel: K = 320 takes three panels, the last one short. The panel's
+    row tiles: on AVX-512, 6 to 12 rows (13: 7 and 6; 16: 8 and 8; 24: 12
+    and 12; 37: 10, 9, 9 and 9); on AVX2, 4 to 6 (19: 5, 5, 5 and 4). A
+    bias is added after the whole chain, on every path.
     102 rows, not a multiple of 8, keep the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
     qws, gen = quantized_weights((n, k), seed=4, twin_blocks=cancelling)
@@ -128,8 +131,8 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     together = torch.empty(rows, n, dtype=dtype)
     assert qw.run_kernel(kernel, x, bias, together)
     splits = [(1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8), (6, rows - 6)]
-    if rows > 18:
-        splits.append((18, rows - 18))  # 37: 18 and 19 rows, tiles of 6, 6, 6 and 5, 5, 5, 4
+    if rows > 24:
+        splits += [(18, rows - 18), (16, rows - 16), (24, rows - 24)]
     for split in splits:
         parts = [torch.empty(len(rows), n, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
@@ -368,8 +371,8 @@ def test_a_layer_limit_beside_float_weights_is_measured_up_to_128_rows(kernel, f
 @pytest.mark.parametrize("fmt", ["int4", "q8_0"])  # the blocked formats (int8's quantizer wants K > 0)
 def test_an_empty_k_gives_the_bias_at_any_row_count(kernel, fmt):
     """K = 0: every sum is empty, so each output is its bias, whichever path
-    the row count takes (on AVX2, 17 rows or more would take the panel,
-    which has no panel of K to write from)."""
+    the row count takes (in float32, 17 rows or more would take the panel,
+    9 or more on AVX-512, which has no panel of K to write from)."""
     qw = quant_linear.quantize(torch.zeros(16, 0), fmt)
     bias = torch.randn(16)
     for rows in (1, 8, 16, 17, 40):
