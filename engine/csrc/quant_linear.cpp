@@ -613,10 +613,10 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
 //   as fast, in one process alternated); from 17 rows on, 1.2-1.3x.
 //   AVX-512: four groups (two 16-lane vectors) and tiles of up to 12 rows,
 //   24 accumulators of AVX-512's 32 registers. On a 2-core Intel Xeon
-//   (Emerald Rapids) a layer's calls were 1.02-1.12x as fast from 9 to 16
-//   rows and 1.1-1.3x from 17 to 128, but 0.85-0.94x at 6 to 8, where the
-//   tiles take all the rows in one pass (docs/engine.md, "The panel on
-//   AVX-512").
+//   (Emerald Rapids) a layer's calls were 0.96-1.12x as fast from 9 to 16
+//   rows over three runs (under 1 once, at 12 rows) and 1.1-1.3x from 17
+//   to 128, but 0.85-0.94x at 6 to 8, where the tiles take all the rows in
+//   one pass (docs/engine.md, "The panel on AVX-512").
 #ifdef __AVX512F__
 constexpr int kPanelGroups = 4;
 constexpr int kPanelRows = 12;
