@@ -200,6 +200,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     result: dict = {"args": vars(args), "machine": machine_facts(), "load_before": load_average(),
                     "unit": "us per call, best of rounds", "shapes": {}}
+    from engine.model import quant_linear
+
+    kernel = quant_linear.load_kernel()
+    if kernel is not None:  # the row count at which float32 Q4_1 calls leave the tiles for the panel here
+        result["machine"]["q4_1_panel_min_rows"] = kernel.q4_1_panel_min_rows()
     baseline = baseline_kernel(Path(args.baseline_source)) if args.baseline_source else None
     gen = torch.Generator().manual_seed(0)
     for label, (n, k) in SHAPES.items():

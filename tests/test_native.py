@@ -267,7 +267,7 @@ BINDING = re.compile(r'm\.def\("(\w+)",\s*([^;]*?)\);', re.DOTALL)
 # The bound C++ function: inside torch's wrapper, or by address.
 BOUND = re.compile(r"(?:wrap_pybind_function(?:_no_gil)?\(|&)(\w+)")
 # What answers a question about the build and takes no tensors.
-MAY_HOLD_THE_GIL = {"uses_amx", "int8_activations_built", "q4_1_interleaves", "has_bfloat16"}
+MAY_HOLD_THE_GIL = {"uses_amx", "int8_activations_built", "q4_1_interleaves", "q4_1_panel_min_rows", "has_bfloat16"}
 KNOWN_KERNELS = {"decode_attention", "prefill_attention", "q4_1_linear", "q8_0_linear", "int8_linear",
                  "skinny_linear", "rms_norm", "rotary", "silu_mul", "lora_apply"}
 

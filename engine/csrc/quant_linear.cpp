@@ -594,7 +594,7 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
   for (; g < g1; ++g) interleaved_tile<Lanes8, JB, 1>(w, xt, g, y, y_stride);
 }
 
-// Calls of kPanelMinRows token rows or more dequantize a few groups once, a
+// Calls of panel_min_rows() token rows or more dequantize a few groups once, a
 // few blocks at a time, into a float32 panel in L1, and run every token row
 // over it up to kPanelRows at a time. The tiles above widen the same
 // weights again for every pass of 8 token rows, and keep only as many
@@ -616,12 +616,18 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
 //   (Emerald Rapids) a layer's calls were 0.96-1.12x as fast from 9 to 16
 //   rows over three runs (under 1 once, at 12 rows) and 1.1-1.3x from 17
 //   to 128, but 0.85-0.94x at 6 to 8, where the tiles take all the rows in
-//   one pass (docs/engine.md, "The panel on AVX-512").
+//   one pass (docs/engine.md, "The panel on AVX-512"). On a 2-core Zen 4,
+//   which runs each 512-bit operation as two 256-bit halves, the panel was
+//   the slower at nearly every row count from 9 to 16 (by about 4-8%, over
+//   two runs with the builds swapped) and, in one run, 1.05-1.16x as fast
+//   from 17 to 128: there it starts at kPanelMinRowsZen4 (panel_min_rows).
 #ifdef __AVX512F__
 constexpr int kPanelGroups = 4;
 constexpr int kPanelRows = 12;
 constexpr int kPanelMinTile = 6;
 constexpr int64_t kPanelMinRows = 9;
+constexpr int64_t kPanelMinRowsZen4 = 17;
+static_assert(kPanelMinRowsZen4 >= kPanelMinRows, "panel_tiles_fit checks from kPanelMinRows up");
 #else
 constexpr int kPanelGroups = 2;
 constexpr int kPanelRows = 6;
@@ -647,6 +653,22 @@ constexpr bool panel_tiles_fit() {
   return true;
 }
 static_assert(panel_tiles_fit(), "a call of kPanelMinRows rows or more has a tile under kPanelMinTile rows");
+
+// The fewest token rows for which a call takes the panel on this CPU. An
+// AVX-512 build of AMD's family 19h runs on Zen 4 only (Zen 3 has no
+// AVX-512); Zen 5 (family 1Ah), whose 512-bit paths are full width, keeps
+// kPanelMinRows, untimed.
+inline int64_t panel_min_rows() {
+#ifdef __AVX512F__
+  static const int64_t rows = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amdfam19h") ? kPanelMinRowsZen4 : kPanelMinRows;
+  }();
+  return rows;
+#else
+  return kPanelMinRows;
+#endif
+}
 
 // The lanes a panel of NW groups is read and written in: 16 (pairs of
 // groups) on AVX-512 where NW is even, else 8 (one group).
@@ -767,7 +789,7 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
 }
 
 // Token rows go 8 at a time, then the 1 to 7 left in one pass, as in
-// f32_blocks (calls of kPanelMinRows rows or more take panel_f32 above;
+// f32_blocks (calls of panel_min_rows() rows or more take panel_f32 above;
 // K = 0, which has no panel to continue a chain from, stays here and
 // writes zeros). NV keeps JB * NV accumulators and NV weight vectors within
 // AVX2's 16 registers; for 1 to 3 rows it was picked by timing (a single
@@ -777,7 +799,7 @@ void panel_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved
 // pairs timed as over 4, 4 and 3).
 void interleaved_f32(const float* x, int64_t x_stride, int64_t m, const Q41Interleaved& w, int64_t n, int64_t k,
                      const float* bias, float* out, int64_t out_stride, int64_t min_rows) {
-  if (m >= kPanelMinRows && k > 0) return panel_f32(x, x_stride, m, w, n, k, bias, out, out_stride, min_rows);
+  if (m >= panel_min_rows() && k > 0) return panel_f32(x, x_stride, m, w, n, k, bias, out, out_stride, min_rows);
   const int64_t groups = n / 8;
   // Each pass's activations transposed, [K][rows of the pass], so that a
   // token row's k-th value is a broadcast at a fixed offset.
@@ -1483,6 +1505,16 @@ bool q4_1_interleaves() {
 #endif
 }
 
+// The fewest token rows for which a float32 Q4_1 call takes the panel on
+// this host, where q4_1_interleaves(); 0 elsewhere.
+int64_t q4_1_panel_min_rows() {
+#ifdef LORAGW_Q41_INTERLEAVED
+  return panel_min_rows();
+#else
+  return 0;
+#endif
+}
+
 // q [N, K / 2] uint8 and dm [N, K / 32, 2] float16 (q4_1_linear's) -> the
 // same values with the rows interleaved 8 at a time (Q41Interleaved): nib
 // [N / 8, K / 32, 16, 8] uint8 and dm [N / 8, K / 32, 2, 8] float16.
@@ -1569,6 +1601,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_amx", &uses_amx, "uses_amx");
   m.def("int8_activations_built", &int8_activations_built, "int8_activations_built");
   m.def("q4_1_interleaves", &q4_1_interleaves, "q4_1_interleaves");
+  m.def("q4_1_panel_min_rows", &q4_1_panel_min_rows, "q4_1_panel_min_rows");
   m.def("q4_1_interleave", torch::wrap_pybind_function_no_gil(q4_1_interleave), "q4_1_interleave");
   // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
   m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");

@@ -7,6 +7,7 @@ activations rounded to int8: test_quant_linear_int8_activations.py."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,14 +113,16 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     On either, Q4_1 with 120 weight rows (15 groups of 8) reads them
     interleaved: on AVX2 in tiles of 1 to 4 groups, then single groups; on
     AVX-512 in tiles of 2 to 4 pairs of groups, then the pairs left one at
-    a time, then the one group left. Calls of 9 rows or more on AVX-512, 17
-    or more on AVX2, dequantize the groups into panels of 4 blocks of K
-    instead (AVX-512: four groups, then a pair, then the one left; AVX2:
-    pairs, then the one left) and continue each output's chain from panel
-    to panel: K = 320 takes three panels, the last one short. The panel's
-    row tiles: on AVX-512, 6 to 12 rows (13: 7 and 6; 16: 8 and 8; 24: 12
-    and 12; 37: 10, 9, 9 and 9); on AVX2, 4 to 6 (19: 5, 5, 5 and 4). A
-    bias is added after the whole chain, on every path.
+    a time, then the one group left. Calls of 9 rows or more on AVX-512
+    (17 or more on Zen 4), 17 or more on AVX2, dequantize the groups into
+    panels of 4 blocks of K instead (AVX-512: four groups, then a pair,
+    then the one left; AVX2: pairs, then the one left) and continue each
+    output's chain from panel to panel: K = 320 takes three panels, the
+    last one short. The panel's row tiles: on AVX-512, 6 to 12 rows (13: 7
+    and 6; 16: 8 and 8; 17: 9 and 8; 24: 12 and 12; 37: 10, 9, 9 and 9),
+    on Zen 4, where only calls of 17 rows or more take the panel, 8 to 12;
+    on AVX2, 4 to 6 (19: 5, 5, 5 and 4). A bias is added after the whole
+    chain, on every path.
     102 rows, not a multiple of 8, keep the other paths."""
     # 102 weight rows: a partial 16-row tile, whose last group of 4 weight rows is partial too.
     qws, gen = quantized_weights((n, k), seed=4, twin_blocks=cancelling)
@@ -132,7 +135,7 @@ def test_a_row_comes_out_the_same_whatever_rows_share_its_call(kernel, fmt, dtyp
     assert qw.run_kernel(kernel, x, bias, together)
     splits = [(1,) * rows, (2, 3, rows - 5), (4, rows - 4), (8, rows - 8), (6, rows - 6)]
     if rows > 24:
-        splits += [(18, rows - 18), (16, rows - 16), (24, rows - 24)]
+        splits += [(18, rows - 18), (16, rows - 16), (24, rows - 24), (17, rows - 17)]
     for split in splits:
         parts = [torch.empty(len(rows), n, dtype=dtype) for rows in x.split(split)]
         for rows, out in zip(x.split(split), parts):
@@ -242,6 +245,32 @@ def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
     m = qw.dm[:, :, 1].double().repeat_interleave(32, dim=1)
     torch.testing.assert_close(changed.double(), x.double() @ (2 * m).T, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(changed, out)
+
+
+def _amd_family(cpuinfo=Path("/proc/cpuinfo")) -> int | None:
+    """The first processor's family where its vendor is AMD, else None."""
+    fields = {}
+    for line in cpuinfo.read_text(encoding="ascii", errors="replace").splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            break
+        fields.setdefault(key.strip(), value.strip())
+    return int(fields["cpu family"]) if fields.get("vendor_id") == "AuthenticAMD" else None
+
+
+def test_float32_q4_1_calls_take_the_panel_from_the_row_count_for_the_host(kernel):
+    """quant_linear.cpp's panel_min_rows, read from CPUID, against
+    /proc/cpuinfo: 17 rows on AVX2 and on Zen 4 (AMD's family 25 with
+    AVX-512), 9 on other AVX-512 hosts; none where Q4_1 rows are not
+    interleaved. Which path a call takes never shows in its output (the
+    test above holds both to the same bits), so this is where the rule is
+    checked."""
+    flags = host_cpu.cpu_flags()
+    if not kernel.q4_1_interleaves():
+        assert kernel.q4_1_panel_min_rows() == 0
+        return
+    zen4 = "avx512f" in flags and _amd_family() == 25
+    assert kernel.q4_1_panel_min_rows() == (9 if "avx512f" in flags and not zen4 else 17)
 
 
 def test_a_group_of_8_weight_rows_sums_alike_in_8_lanes_and_in_a_16_lane_pair(kernel):
