@@ -618,7 +618,7 @@ void interleaved_groups(const Q41Interleaved& w, const float* xt, int64_t g0, in
 //   to 128, but 0.85-0.94x at 6 to 8, where the tiles take all the rows in
 //   one pass (docs/engine.md, "The panel on AVX-512"). On a 2-core Zen 4,
 //   which runs each 512-bit operation as two 256-bit halves, the panel was
-//   the slower at nearly every row count from 9 to 16 (by about 4-8%, over
+//   the slower at nearly every row count from 9 to 16 (by about 2-9%, over
 //   two runs with the builds swapped) and, in one run, 1.05-1.16x as fast
 //   from 17 to 128: there it starts at kPanelMinRowsZen4 (panel_min_rows).
 #ifdef __AVX512F__
