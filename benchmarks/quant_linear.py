@@ -151,7 +151,8 @@ def paths_for(weights: list[torch.Tensor], dtype: torch.dtype, baseline=None) ->
 
 def time_shape(paths: dict, n_weights: int, k: int, rows: int, dtype, rounds: int) -> dict[str, float | bool | str]:
     """path -> best microseconds per call over the rounds (each round runs
-    every path once over all the shape's weights, paths interleaved), or
+    every path once over all the shape's weights, paths interleaved, the
+    order rotated a place each round), or
     why it failed; `int4_same_bits` and `q8_0_same_bits` where both builds
     of that format ran."""
     x = torch.randn(rows, k, dtype=dtype)
@@ -171,8 +172,12 @@ def time_shape(paths: dict, n_weights: int, k: int, rows: int, dtype, rounds: in
         ours, base = outputs.get(f"{fmt}_ours"), outputs.get(f"{fmt}_baseline")
         if ours is not None and base is not None:
             best[f"{fmt}_same_bits"] = torch.equal(ours, base)
-    for _ in range(rounds):
-        for name in live:
+    for r in range(rounds):
+        # Each round starts one path further on, so that no path always runs
+        # in the same place: with the order fixed, the build in the
+        # baseline's place ran code both builds share up to 13% faster
+        # (docs/engine.md, "The panel on AVX-512").
+        for name in live[r % len(live):] + live[:r % len(live)]:
             fn = paths[name]
             t0 = time.perf_counter()
             for i in range(n_weights):
