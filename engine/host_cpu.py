@@ -52,17 +52,26 @@ WORKER_NICENESS = 5
 NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first processor's feature flags; empty where /proc/cpuinfo is absent."""
+def cpu_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """/proc/cpuinfo's fields by lower-case name, each as the first processor
+    gives it ("vendor_id", "cpu family", "flags"); empty where the file is
+    absent."""
     try:
         text = cpuinfo.read_text(encoding="ascii", errors="replace")
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip().lower() in ("flags", "features"):
-            return frozenset(value.split())
-    return frozenset()
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags; empty where /proc/cpuinfo is absent."""
+    fields = cpu_fields(cpuinfo)
+    return frozenset(fields.get("flags", fields.get("features", "")).split())
 
 
 def has_native_bfloat16(flags: frozenset[str] | None = None, environ=os.environ) -> bool:

@@ -33,10 +33,10 @@ interleaved 8 at a time (`Q41Weight.interleaved`, made on the first call),
 so that lanes run over weight rows and each token row pays one multiply-add
 per 8 weights, or per 16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1
 to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5); calls of 17
-rows or more on AVX2, 9 or more on AVX-512, dequantize it to a float32
-panel per thread instead, bit for bit the same sums (1.2-1.3x faster at 17
-to 128 rows on the Zen 3; on a 2-core Intel Xeon 0.96-1.12x at 9 to 16
-rows, 1.16-1.29x at 17 to 128). With float32
+rows or more on AVX2 and Zen 4, 9 or more on other AVX-512 hosts,
+dequantize it to a float32 panel per thread instead, bit for bit the same
+sums (1.2-1.3x faster at 17 to 128 rows on the Zen 3; on a 2-core Intel
+Xeon 0.96-1.12x at 9 to 16 rows, 1.16-1.29x at 17 to 128). With float32
 activations on AVX-512, other calls of more than 4 rows widen each tile
 of weight rows once per thread, into float32, and run the widening loop's
 sums over it, bit for bit (26-41% faster at 32-64 rows on a 2-core Intel

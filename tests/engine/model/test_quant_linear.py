@@ -7,7 +7,6 @@ activations rounded to int8: test_quant_linear_int8_activations.py."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +79,7 @@ def test_kernel_and_twin_match_the_naive_reference(kernel, cases, shape, fmt, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
 # bfloat16's blocked formats: 9 rows take the dequantized tile; float32 Q4_1:
-# 9 rows take the dequantized panel on AVX-512, 20 on AVX2.
+# 9 rows take the dequantized panel on AVX-512 but Zen 4, 20 elsewhere.
 @pytest.mark.parametrize("rows", [3, 6, 9, 20])
 def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
     qws, gen = quantized_weights((80, 96), seed=9)
@@ -247,17 +246,6 @@ def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
     assert not torch.allclose(changed, out)
 
 
-def _amd_family(cpuinfo=Path("/proc/cpuinfo")) -> int | None:
-    """The first processor's family where its vendor is AMD, else None."""
-    fields = {}
-    for line in cpuinfo.read_text(encoding="ascii", errors="replace").splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            break
-        fields.setdefault(key.strip(), value.strip())
-    return int(fields["cpu family"]) if fields.get("vendor_id") == "AuthenticAMD" else None
-
-
 def test_float32_q4_1_calls_take_the_panel_from_the_row_count_for_the_host(kernel):
     """quant_linear.cpp's panel_min_rows, read from CPUID, against
     /proc/cpuinfo: 17 rows on AVX2 and on Zen 4 (AMD's family 25 with
@@ -269,7 +257,8 @@ def test_float32_q4_1_calls_take_the_panel_from_the_row_count_for_the_host(kerne
     if not kernel.q4_1_interleaves():
         assert kernel.q4_1_panel_min_rows() == 0
         return
-    zen4 = "avx512f" in flags and _amd_family() == 25
+    fields = host_cpu.cpu_fields()
+    zen4 = "avx512f" in flags and fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
     assert kernel.q4_1_panel_min_rows() == (9 if "avx512f" in flags and not zen4 else 17)
 
 
@@ -401,7 +390,7 @@ def test_a_layer_limit_beside_float_weights_is_measured_up_to_128_rows(kernel, f
 def test_an_empty_k_gives_the_bias_at_any_row_count(kernel, fmt):
     """K = 0: every sum is empty, so each output is its bias, whichever path
     the row count takes (in float32, 17 rows or more would take the panel,
-    9 or more on AVX-512, which has no panel of K to write from)."""
+    9 or more on AVX-512 but Zen 4, which has no panel of K to write from)."""
     qw = quant_linear.quantize(torch.zeros(16, 0), fmt)
     bias = torch.randn(16)
     for rows in (1, 8, 16, 17, 40):
