@@ -65,6 +65,8 @@ def cpu_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
         key, sep, value = line.partition(":")
         if sep:
             fields.setdefault(key.strip().lower(), value.strip())
+        elif fields and not line.strip():  # the blank line that ends the first processor's block
+            break
     return fields
 
 

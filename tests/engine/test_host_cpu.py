@@ -20,13 +20,15 @@ def test_cpu_flags_read_x86_and_arm_cpuinfo(tmp_path):
     x86 = tmp_path / "x86"
     x86.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
                    "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
-                   "\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu\n")
+                   "\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu\n"
+                   "bugs\t\t: spectre_v1\n")
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
     assert cpu_flags(x86) == {"fpu", "avx2", "avx512f", "avx512_bf16", "amx_tile"}
     assert "bf16" in cpu_flags(arm)
     assert cpu_flags(tmp_path / "missing") == frozenset()
     assert cpu_fields(x86)["vendor_id"] == "GenuineIntel" and cpu_fields(x86)["cpu family"] == "6"
+    assert "bugs" not in cpu_fields(x86)  # only the first processor's block is read
     assert cpu_fields(tmp_path / "missing") == {}
 
 
