@@ -17,7 +17,8 @@
 // block's last query are never read. Threads take items costliest first
 // from a shared counter.
 //
-// bfloat16: items of 16 query positions of one query head.
+// bfloat16: items of 16 query positions of one query head, or, for a chunk
+// of fewer than 16 rows, 16 of its (row, query head) pairs of one KV head.
 // - scores: per key, vdpbf16ps of the queries' dim pairs (transposed once
 //   per item) with the key's dim pair broadcast straight from the cache row;
 // - values: per output dim, vdpbf16ps of the weights of two keys (rounded
@@ -58,15 +59,39 @@ struct Chunks {  // the prefill chunks of a step and where their context lives
 struct Item {
   int64_t chunk, head, first;  // queries first .. first + 16 of the chunk (fewer at its end)
   int64_t tiles;               // key tiles it reads: its cost
+  // Where nonzero, a short chunk's lanes instead (make_items with a group):
+  // `lanes` of its (row, query head of KV head `head`) pairs, row by row,
+  // from pair `first`.
+  int64_t lanes = 0;
 };
 
 // The items of the n chunks: each 16 query positions of a chunk with each
 // of `heads` heads (query heads in bfloat16, KV heads in float32),
 // costliest first, so that the last items the threads take are short.
-std::vector<Item> make_items(const Chunks& ch, int64_t n, int64_t heads) {
+//
+// With `group` > 1 (bfloat16: query heads per KV head), a chunk of fewer
+// than 16 rows (a speculating sequence's verification, a prompt's tail past
+// a cached prefix) fills each item's lanes with its rows under every query
+// head of one KV head instead, row by row, so the group's heads share each
+// K/V tile they read. One item a query head left most lanes empty: a chunk
+// of 2 rows used 2 of 16, and a SmolLM2 layer's 9 items made a
+// verification's attention cost 3 to 4 times a decode row's (single-stream
+// decode with drafts, 2-core Zen 4). A lane's sums do not depend on the lanes beside
+// it, and a tile that an item reads past a lane's last key is masked for
+// that lane, which leaves its state bit for bit as it was (zero weights,
+// and exp(0) is exactly 1), so each row comes out as it would in any chunk.
+std::vector<Item> make_items(const Chunks& ch, int64_t n, int64_t heads, int64_t group = 1) {
   std::vector<Item> items;
   for (int64_t c = 0; c < n; ++c) {
     const int64_t len = ch.lens[c], ctx = ch.seq_lens[ch.seq_ids[c]] - len;
+    if (group > 1 && len < kLanes) {
+      for (int64_t first = 0; first < len * group; first += kLanes) {
+        const int64_t lanes = std::min<int64_t>(kLanes, len * group - first);
+        const int64_t last = ctx + (first + lanes - 1) / group;
+        for (int64_t kv = 0; kv < heads / group; ++kv) items.push_back({c, kv, first, last / kLanes + 1, lanes});
+      }
+      continue;
+    }
     for (int64_t first = 0; first < len; first += kLanes) {
       const int64_t last = ctx + std::min(len, first + kLanes) - 1;
       for (int64_t h = 0; h < heads; ++h) items.push_back({c, h, first, last / kLanes + 1});
@@ -117,11 +142,11 @@ struct Scratch {  // per thread
   Scratch() {}
 };
 
-// The queries' dim pairs, lanes past nq zero.
-void load_queries(Scratch& sc, const c10::BFloat16* q, int64_t q_stride, int64_t nq, int64_t dim) {
+// The queries' dim pairs (lane j's query at q[j]), lanes past nq zero.
+void load_queries(Scratch& sc, const c10::BFloat16* const* q, int64_t nq, int64_t dim) {
   std::memset(sc.qt, 0, sizeof(uint32_t) * (dim / 2) * kLanes);
   for (int64_t j = 0; j < nq; ++j) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(q + j * q_stride);
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(q[j]);
     for (int64_t p = 0; p < dim / 2; ++p) sc.qt[p][j] = row[p];
   }
 }
@@ -226,24 +251,52 @@ inline __m512 softmax_tile(__m512* s, int64_t key0, bool masked, __m512i qpos, f
   return alpha;
 }
 
+// One KV head's D values in each of a tile's 16 rows, into L2, kAheadTiles
+// tiles before they are needed: 128 bytes of each 384-byte position row
+// (SmolLM2) at blocks anywhere in the cache, a pattern the hardware
+// prefetcher does not follow. Without it, a step's attention for a chunk of
+// 2 to 8 rows over 600 positions took 2.9-4.5 ms in two runs, with it
+// 2.3-3.4 (30 layers, 2-core Zen 4, benchmarks/prefill_attention.py).
+constexpr int64_t kAheadTiles = 2;
+template <int D>
+inline void prefetch_tile(const c10::BFloat16* row0, int64_t row_elems) {
+  for (int k = 0; k < kLanes; ++k)
+    for (int b = 0; b < D * 2; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(row0 + k * row_elems) + b, 0, /*locality=*/1);
+}
+
 template <int D>
 void run_item(const Item& it, const Chunks& ch, const Step& st, Scratch& sc) {
   const int64_t len = ch.lens[it.chunk], s = ch.seq_ids[it.chunk];
-  const int64_t seq_len = ch.seq_lens[s], nq = std::min<int64_t>(kLanes, len - it.first);
-  const int64_t pos0 = seq_len - len + it.first, last = pos0 + nq - 1;  // positions of the first and last query
-  const int64_t row0 = ch.starts[it.chunk] + it.first;
-  load_queries(sc, st.query + row0 * st.q_stride0 + it.head * st.q_stride1, st.q_stride0, nq, D);
+  const int64_t seq_len = ch.seq_lens[s], nq = it.lanes ? it.lanes : std::min<int64_t>(kLanes, len - it.first);
+  // Lane j's query: its row in the chunk and its query head.
+  int64_t row[kLanes], head[kLanes];
+  for (int64_t j = 0; j < nq; ++j) {
+    row[j] = it.lanes ? (it.first + j) / st.group : it.first + j;
+    head[j] = it.lanes ? it.head * st.group + (it.first + j) % st.group : it.head;
+  }
+  const int64_t ctx = seq_len - len, pos0 = ctx + row[0], last = ctx + row[nq - 1];  // the first and last query
+  const int64_t start = ch.starts[it.chunk];
+  const c10::BFloat16* q[kLanes];
+  for (int64_t j = 0; j < nq; ++j) q[j] = st.query + (start + row[j]) * st.q_stride0 + head[j] * st.q_stride1;
+  load_queries(sc, q, nq, D);
   std::memset(sc.ot, 0, sizeof(float) * D * kLanes);
 
-  const int64_t row_elems = ch.num_kv_heads * D, kv_off = it.head / st.group * D;
+  const int64_t row_elems = ch.num_kv_heads * D, kv_off = (it.lanes ? it.head : it.head / st.group) * D;
   const int32_t* table = ch.block_tables + s * ch.table_stride;
   alignas(64) int32_t lanes[kLanes];  // past nq, the last query again, so no lane is all masked
-  for (int j = 0; j < kLanes; ++j) lanes[j] = static_cast<int32_t>(std::min(pos0 + j, last));
+  for (int64_t j = 0; j < kLanes; ++j) lanes[j] = static_cast<int32_t>(j < nq ? ctx + row[j] : last);
   const __m512i qpos = _mm512_load_si512(lanes);
   __m512 m = _mm512_set1_ps(kNegInf), l = _mm512_setzero_ps(), p[kLanes];
   for (int64_t t = 0; t < it.tiles; ++t) {
     const int64_t key0 = t * kLanes;
     const int64_t slot = static_cast<int64_t>(table[key0 / ch.block_size]) * ch.block_size + key0 % ch.block_size;
+    if (t + kAheadTiles < it.tiles) {
+      const int64_t ahead = key0 + kAheadTiles * kLanes;
+      const int64_t next = static_cast<int64_t>(table[ahead / ch.block_size]) * ch.block_size + ahead % ch.block_size;
+      prefetch_tile<D>(st.k_cache + next * row_elems + kv_off, row_elems);
+      prefetch_tile<D>(st.v_cache + next * row_elems + kv_off, row_elems);
+    }
     tile_scores<D>(sc, st.k_cache + slot * row_elems + kv_off, row_elems, p);
     const __m512 alpha = softmax_tile(p, key0, key0 + kLanes - 1 > pos0, qpos, st.scale, m, l, t == 0);
     pair_rows<D>(sc, st.v_cache + slot * row_elems + kv_off, row_elems, std::min<int64_t>(kLanes, last + 1 - key0));
@@ -252,7 +305,7 @@ void run_item(const Item& it, const Chunks& ch, const Step& st, Scratch& sc) {
   alignas(64) float inv_l[kLanes];
   _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
   for (int64_t j = 0; j < nq; ++j) {
-    c10::BFloat16* o = st.out + (row0 + j) * st.o_stride0 + it.head * st.o_stride1;
+    c10::BFloat16* o = st.out + (start + row[j]) * st.o_stride0 + head[j] * st.o_stride1;
     for (int d = 0; d < D; ++d) o[d] = static_cast<c10::BFloat16>(sc.ot[d][j] * inv_l[j]);
   }
 }
@@ -266,7 +319,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
                 reinterpret_cast<const c10::BFloat16*>(v_cache.data_ptr()),
                 reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), group, scale};
-  run_items(make_items(ch, n, num_heads), serial, [] { return Scratch{}; },
+  run_items(make_items(ch, n, num_heads, group), serial, [] { return Scratch{}; },
             [&](const Item& it, Scratch& sc) { run_item<D>(it, ch, st, sc); });
 }
 

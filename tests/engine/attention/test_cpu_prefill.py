@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.attention import cpu_prefill
+from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from tests.engine.attention.test_backends import SCENARIOS, check_backend, make_case
 from tests.native import built_or_skip
@@ -140,6 +141,37 @@ def test_what_it_does_not_cover_goes_to_sdpa(kernel):
         with pytest.raises(ValueError, match="does not support"):
             TorchAttentionBackend(prefill_kernel=True).forward(
                 case.query, case.key, case.value, case.k_cache.clone(), case.v_cache.clone(), case.meta, 0.2)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,tail", [(9, 3, 2), (9, 3, 5), (9, 3, 6), (9, 3, 15), (8, 2, 8), (16, 1, 3)],
+    ids=["smollm-2", "smollm-5", "smollm-6", "smollm-15", "gqa4-8", "mqa16-3"])
+@pytest.mark.parametrize("parallel_tiles", [0, 10**9], ids=["parallel", "serial"])
+def test_bfloat16_short_chunks_match_the_same_rows_in_a_whole_prompt(kernel, monkeypatch, num_heads, num_kv_heads,
+                                                                      tail, parallel_tiles):
+    """A chunk of 2 to 15 rows (a verification, a prompt's tail past a
+    cached prefix; one row is a decode row, the decode kernel's) shares its items' lanes among the query heads of a KV
+    head, where a longer chunk gives each query head its own: its rows come
+    out bit for bit as the same positions do inside a whole prompt, next to
+    a long chunk of another sequence in the same call, on one thread or two."""
+    if not kernel.has_bfloat16():
+        pytest.skip("the CPU prefill kernel takes bfloat16 only with AVX512-BF16")
+    monkeypatch.setattr(cpu_prefill, "PARALLEL_TILES_WHEN_THREADS_SLEEP", parallel_tiles)
+    seq_len, other = 203, (70, 70)
+    whole = make_case([(seq_len, seq_len), other], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                      dtype=torch.bfloat16, seed=5)
+    scale = 0.125
+    k_cache, v_cache = whole.k_cache.clone(), whole.v_cache.clone()
+    expected = _kernel_backend().forward(whole.query, whole.key, whole.value, k_cache, v_cache, whole.meta, scale)
+    # The same K/V now cached; this step's chunk is the prompt's last `tail` rows, beside the other sequence.
+    rows = torch.cat((torch.arange(seq_len - tail, seq_len), torch.arange(seq_len, seq_len + other[1])))
+    meta = AttentionMetadata(
+        slot_mapping=whole.meta.slot_mapping[rows], query_start_loc=torch.tensor([0, tail, tail + other[1]]),
+        seq_lens=whole.meta.seq_lens, block_tables=whole.meta.block_tables,
+        query_lens_host=[tail, other[1]], seq_lens_host=[seq_len, other[0]], block_size=whole.meta.block_size)
+    out = _kernel_backend().forward(whole.query[rows], whole.key[rows], whole.value[rows], k_cache.clone(),
+                                    v_cache.clone(), meta, scale)
+    assert torch.equal(out, expected[rows])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "f16cache"])
