@@ -9,8 +9,10 @@ causal path reached 7 to 59 GFLOP/s (float32 GEMM gets ~120-160 there),
 and a chunk after a sequence's first also needs its K/V gathered out of the
 blocks and a mask that makes SDPA compute the whole rectangle of queries by
 keys. This kernel reads the blocks in place and skips the keys a query
-cannot see (engine/csrc/cpu_prefill.cpp): items of 16 query positions,
-scores and values as register-tiled products.
+cannot see (engine/csrc/cpu_prefill.cpp): items of 16 query positions
+(in bfloat16, a chunk of fewer than 16 rows packs its rows under each KV
+head's query heads into an item's 16 lanes), scores and values as
+register-tiled products.
 
 Numerics: float32 sums and softmax. In bfloat16, the products are of
 bfloat16 pairs (vdpbf16ps) and the weights are rounded to bfloat16 before

@@ -11,9 +11,9 @@
 // chunk after a sequence's first needs its K/V gathered from the blocks and
 // a mask that makes it compute the whole rectangle.
 //
-// Lane j of every vector is query j, so the softmax (max, rescale, sum) is
-// lane by lane and never reduces across a vector. Keys go 16 (a tile) at a
-// time; keys past a query's position are masked, and tiles past the
+// Lane j of every vector is query j (a query row under one head), so the
+// softmax (max, rescale, sum) is lane by lane and never reduces across a
+// vector. Keys go 16 (a tile) at a time; keys past a query's position are masked, and tiles past the
 // block's last query are never read. Threads take items costliest first
 // from a shared counter.
 //
@@ -73,13 +73,14 @@ struct Item {
 // than 16 rows (a speculating sequence's verification, a prompt's tail past
 // a cached prefix) fills each item's lanes with its rows under every query
 // head of one KV head instead, row by row, so the group's heads share each
-// K/V tile they read. One item a query head left most lanes empty: a chunk
-// of 2 rows used 2 of 16, and a SmolLM2 layer's 9 items made a
+// K/V tile they read. One item per query head left most lanes empty: a
+// chunk of 2 rows used 2 of 16, and a SmolLM2 layer's 9 items made a
 // verification's attention cost 3 to 4 times a decode row's (single-stream
-// decode with drafts, 2-core Zen 4). A lane's sums do not depend on the lanes beside
-// it, and a tile that an item reads past a lane's last key is masked for
-// that lane, which leaves its state bit for bit as it was (zero weights,
-// and exp(0) is exactly 1), so each row comes out as it would in any chunk.
+// decode with drafts, 2-core Zen 4). A lane's sums do not depend on the
+// lanes beside it, and a tile that an item reads past a lane's last key is
+// masked for that lane, which leaves its state bit for bit as it was (zero
+// weights, and exp(0) is exactly 1), so each row comes out as it would in
+// any chunk.
 std::vector<Item> make_items(const Chunks& ch, int64_t n, int64_t heads, int64_t group = 1) {
   std::vector<Item> items;
   for (int64_t c = 0; c < n; ++c) {

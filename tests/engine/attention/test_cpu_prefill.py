@@ -150,12 +150,15 @@ def test_what_it_does_not_cover_goes_to_sdpa(kernel):
 def test_bfloat16_short_chunks_match_the_same_rows_in_a_whole_prompt(kernel, monkeypatch, num_heads, num_kv_heads,
                                                                       tail, parallel_tiles):
     """A chunk of 2 to 15 rows (a verification, a prompt's tail past a
-    cached prefix; one row is a decode row, the decode kernel's) shares its items' lanes among the query heads of a KV
-    head, where a longer chunk gives each query head its own: its rows come
-    out bit for bit as the same positions do inside a whole prompt, next to
-    a long chunk of another sequence in the same call, on one thread or two."""
+    cached prefix; one row is a decode row, the decode kernel's) shares its
+    items' lanes among the query heads of a KV head, where a longer chunk
+    gives each query head its own: its rows come out bit for bit as the same
+    positions do inside a whole prompt, next to a long chunk of another
+    sequence in the same call, on the calling thread alone or on all of
+    them."""
     if not kernel.has_bfloat16():
         pytest.skip("the CPU prefill kernel takes bfloat16 only with AVX512-BF16")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # where the serial threshold applies
     monkeypatch.setattr(cpu_prefill, "PARALLEL_TILES_WHEN_THREADS_SLEEP", parallel_tiles)
     seq_len, other = 203, (70, 70)
     whole = make_case([(seq_len, seq_len), other], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
@@ -166,7 +169,8 @@ def test_bfloat16_short_chunks_match_the_same_rows_in_a_whole_prompt(kernel, mon
     # The same K/V now cached; this step's chunk is the prompt's last `tail` rows, beside the other sequence.
     rows = torch.cat((torch.arange(seq_len - tail, seq_len), torch.arange(seq_len, seq_len + other[1])))
     meta = AttentionMetadata(
-        slot_mapping=whole.meta.slot_mapping[rows], query_start_loc=torch.tensor([0, tail, tail + other[1]]),
+        slot_mapping=whole.meta.slot_mapping[rows],
+        query_start_loc=torch.tensor([0, tail, tail + other[1]], dtype=torch.int32),
         seq_lens=whole.meta.seq_lens, block_tables=whole.meta.block_tables,
         query_lens_host=[tail, other[1]], seq_lens_host=[seq_len, other[0]], block_size=whole.meta.block_size)
     out = _kernel_backend().forward(whole.query[rows], whole.key[rows], whole.value[rows], k_cache.clone(),
