@@ -13,9 +13,9 @@
 //
 // Lane j of every vector is query j (a query row under one head), so the
 // softmax (max, rescale, sum) is lane by lane and never reduces across a
-// vector. Keys go 16 (a tile) at a time; keys past a query's position are masked, and tiles past the
-// block's last query are never read. Threads take items costliest first
-// from a shared counter.
+// vector. Keys go 16 (a tile) at a time; keys past a query's position are
+// masked, and tiles past the block's last query are never read. Threads
+// take items costliest first from a shared counter.
 //
 // bfloat16: items of 16 query positions of one query head, or, for a chunk
 // of fewer than 16 rows, 16 of its (row, query head) pairs of one KV head.
