@@ -82,10 +82,6 @@ struct Seqs {  // the decode sequences of a step and where their context lives
   }
 };
 
-inline void prefetch_l2(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
-}
-
 struct Item {  // one sequence, or one span of a long one
   int64_t i, begin, end;
   int64_t partial;  // its slot among the partial results, or -1: the whole context, written to out

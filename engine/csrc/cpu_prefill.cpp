@@ -54,6 +54,11 @@ struct Chunks {  // the prefill chunks of a step and where their context lives
   int64_t table_stride;
   const int32_t* seq_lens;
   int64_t block_size, num_kv_heads, head_dim;
+
+  // The cache slot of position `pos` of the sequence whose block table is `table`.
+  int64_t slot(const int32_t* table, int64_t pos) const {
+    return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+  }
 };
 
 struct Item {
@@ -261,9 +266,7 @@ inline __m512 softmax_tile(__m512* s, int64_t key0, bool masked, __m512i qpos, f
 constexpr int64_t kAheadTiles = 2;
 template <int D>
 inline void prefetch_tile(const c10::BFloat16* row0, int64_t row_elems) {
-  for (int k = 0; k < kLanes; ++k)
-    for (int b = 0; b < D * 2; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(row0 + k * row_elems) + b, 0, /*locality=*/1);
+  for (int k = 0; k < kLanes; ++k) prefetch_l2(row0 + k * row_elems, D * sizeof(c10::BFloat16));
 }
 
 template <int D>
@@ -291,10 +294,9 @@ void run_item(const Item& it, const Chunks& ch, const Step& st, Scratch& sc) {
   __m512 m = _mm512_set1_ps(kNegInf), l = _mm512_setzero_ps(), p[kLanes];
   for (int64_t t = 0; t < it.tiles; ++t) {
     const int64_t key0 = t * kLanes;
-    const int64_t slot = static_cast<int64_t>(table[key0 / ch.block_size]) * ch.block_size + key0 % ch.block_size;
+    const int64_t slot = ch.slot(table, key0);
     if (t + kAheadTiles < it.tiles) {
-      const int64_t ahead = key0 + kAheadTiles * kLanes;
-      const int64_t next = static_cast<int64_t>(table[ahead / ch.block_size]) * ch.block_size + ahead % ch.block_size;
+      const int64_t next = ch.slot(table, key0 + kAheadTiles * kLanes);
       prefetch_tile<D>(st.k_cache + next * row_elems + kv_off, row_elems);
       prefetch_tile<D>(st.v_cache + next * row_elems + kv_off, row_elems);
     }
@@ -526,7 +528,7 @@ void run_item32(const Item& it, const Chunks& ch, const Step32<KV>& st, Scratch3
   fv alpha[kQV];
   for (int64_t t = 0; t < it.tiles; ++t) {
     const int64_t key0 = t * kLanes;
-    const int64_t slot = static_cast<int64_t>(table[key0 / ch.block_size]) * ch.block_size + key0 % ch.block_size;
+    const int64_t slot = ch.slot(table, key0);
     const int64_t nk = std::min<int64_t>(kLanes, last + 1 - key0);  // keys any query of the item sees
     widen_rows<D>(sc.kw, st.k_cache + slot * row_elems + kv_off, row_elems, nk, false);
     // V rows past nk are zeroed, not read: they may be another sequence's stale values, NaN included.

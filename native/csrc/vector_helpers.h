@@ -82,6 +82,13 @@ inline typename Lanes<N>::f32 load_lanes(const c10::Half* p) {
   return v;
 }
 
+// Asks for `bytes` from p into L2, a cache line at a time: for K/V rows
+// in blocks anywhere in the cache, which the hardware prefetcher does not
+// follow (cpu_decode.cpp, cpu_prefill.cpp).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, /*locality=*/1);
+}
+
 // The sum of a vector's N lanes, in lane order.
 template <int N>
 inline float hsum(typename Lanes<N>::f32 v) {
