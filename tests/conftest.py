@@ -26,6 +26,10 @@ os.environ["LORAGW_AUTO_FLOAT16_KV_CACHE"] = "0"  # and a float32 cache: engine/
 # threads sleep when idle, rather than spin as serving's default
 # (engine/host_cpu.py) has them, which would stall both.
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# Each process times its own kernel calibrations, as the calibration tests
+# expect, rather than read what an earlier run kept for the host
+# (engine/model/calibration_cache.py; its own tests switch it on).
+os.environ["LORAGW_CPU_CALIBRATION_CACHE"] = "0"
 
 
 @pytest.fixture

@@ -23,10 +23,12 @@ prefill chunks included (1.3x there; `benchmarks/linear_kernel.py`). On a
 16-lane vectors are two registers each there, and its tiles spill (a
 standalone build with 8-lane vectors matched MKL, no more). MKL picks its
 code path by CPU vendor and model, so no fixed limit holds: the limit is
-measured once per process, dtype and thread count (`row_limit`, from one
-row to 1,024, when the model is built), 0 where torch wins from the start,
-or set outright by LORAGW_CPU_LINEAR_MAX_ROWS. The quantized kernels
-(quant_linear.py) calibrate theirs the same way.
+measured per dtype and thread count (`row_limit`, from one row to 1,024,
+when the model is built), 0 where torch wins from the start, or set
+outright by LORAGW_CPU_LINEAR_MAX_ROWS. The first process on a host to
+measure it keeps it for the later ones (calibration_cache.py), so that a
+near-tie does not fall one way in one process and the other way in the
+next. The quantized kernels (quant_linear.py) calibrate theirs the same way.
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.
@@ -43,8 +45,8 @@ GEMM: on a 2-core AMD EPYC (Zen 3, AVX2) it ran the 3072 x 576 gate_up
 weight 1.3 to 1.6x faster than MKL from 16 to 128 rows, where MKL reached
 51 to 94 GFLOP/s. Its sums run in another order than MKL's, so it matches
 F.linear to float32 rounding, as the skinny kernels do, not bit for bit.
-Whether packing pays is measured once per process and dtype
-(`packing_pays`). The copy costs as much memory as the float weights it
+Whether packing pays is measured per dtype, and kept, as the limits
+are (`packing_pays`). The copy costs as much memory as the float weights it
 packs; LORAGW_CPU_PACKED_WEIGHTS=0 turns it off.
 """
 
@@ -60,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 import native
+from engine.model import calibration_cache
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +140,9 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def packing_pays(dtype: torch.dtype, threads: int) -> bool:
     """Whether weights of `dtype` are worth packing with `threads` torch
-    threads: LORAGW_CPU_PACKED_WEIGHTS when set ("0" or "1"), else measured
-    on the calibration weights, the packed product against F.linear at
-    PACK_CALIBRATION_ROWS. Never for a dtype but PACKED_DTYPES, nor
+    threads: LORAGW_CPU_PACKED_WEIGHTS when set ("0" or "1"), else as kept
+    on this host (calibration_cache.py) or measured on the calibration
+    weights, the packed product against F.linear at PACK_CALIBRATION_ROWS. Never for a dtype but PACKED_DTYPES, nor
     where this torch or CPU cannot pack it (`can_pack`)."""
     if not can_pack(dtype):
         return False
@@ -148,6 +151,17 @@ def packing_pays(dtype: torch.dtype, threads: int) -> bool:
         if env not in ("0", "1"):
             raise ValueError(f"{PACK_ENV}={env!r} must be 0 or 1")
         return env == "1"
+    t0 = time.perf_counter()
+    facts = {"packing": str(dtype), "threads": threads}
+    found = calibration_cache.remembered(lambda: facts, bool, lambda: packing_measured_to_pay(dtype, threads))
+    if found.kept_in is not None:
+        log.info("packed %s weights on %d threads: %s (%s)", str(dtype).removeprefix("torch."), threads,
+                 "on" if found.value else "off", found.origin(t0))
+    return found.value
+
+
+def packing_measured_to_pay(dtype: torch.dtype, threads: int) -> bool:
+    """`packing_pays`, timed now."""
     t0 = time.perf_counter()
     weights = calibration_weights(dtype)
     packed = [packed_copy(w) for w in weights]
@@ -242,16 +256,24 @@ def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, ru
                      shape: tuple[int, int] = CALIBRATION_SHAPE, copies=copies_for,
                      rows: tuple[int, ...] = CALIBRATION_ROWS) -> int:
     """LORAGW_CPU_LINEAR_MAX_ROWS when set, else the crossover of
-    `run_kernel(x, out)` against `run_torch(x)` on weights of `shape`,
-    logged; `measure` says what `copies` and `rows` are."""
+    `run_kernel(x, out)` against `run_torch(x)` on weights of `shape`, as
+    this host kept it (calibration_cache.py) or measured now, and logged;
+    `measure` says what `copies` and `rows` are."""
     env = env_row_limit()
     if env is not None:
         return env
     t0 = time.perf_counter()
-    limit = crossover(measure(run_kernel, run_torch, dtype, shape, copies, rows))
-    log.info("%s: up to %d rows in %s on %d threads (calibrated in %.0f ms)", what, limit,
-             str(dtype).removeprefix("torch."), threads, (time.perf_counter() - t0) * 1e3)
-    return limit
+
+    def facts() -> dict:
+        # The torch path multiplies by packed copies where packing pays.
+        return {"limit": what, "dtype": str(dtype), "threads": threads, "shape": list(shape), "rows": list(rows),
+                "copies": [copies(r) for r in rows], "packed": packing_pays(dtype, threads)}
+
+    found = calibration_cache.remembered(
+        facts, int, lambda: crossover(measure(run_kernel, run_torch, dtype, shape, copies, rows)))
+    log.info("%s: up to %d rows in %s on %d threads (%s)", what, found.value,
+             str(dtype).removeprefix("torch."), threads, found.origin(t0))
+    return found.value
 
 
 def measure(run_kernel, run_torch, dtype: torch.dtype, shape: tuple[int, int] = CALIBRATION_SHAPE,

