@@ -11,36 +11,41 @@ differently after a restart, or on two engine workers of one host.
 So the first measurement on a host is kept, one small JSON file an entry
 in `<cache root>/calibration/` (engine/cache_dir.py), and later processes
 read it instead of timing again. An entry is keyed by what was measured
-(the caller's facts: kernel, dtype, threads, shape, rows) and by what can
-change the answer: the kernels' build keys (their sources, the shared
-headers, the flags, the CPU, the toolchain), the Python that times and
-decides, torch's version and the OpenMP wait policy. When any of them
-changes, the next process measures again. Processes that measure at once
-each publish by hard link, which only the first can make: the others take
-its value, so the processes of a host agree.
+(the caller's facts: the kernel and its options, dtype, threads, shape,
+rows, what the torch side runs) and by what can change the answer: the
+compiled kernels themselves, the Python that times and decides, torch's
+version and the instructions it may use, and the OpenMP wait policy. When
+any of them changes, the next process measures again.
 
-An entry timed under a passing load stays until one of its inputs changes:
-delete the folder to time again, or set LORAGW_CPU_CALIBRATION_CACHE=0 to
-time in every process, as the test suite does. The cache never stops a
-model from loading: a folder it cannot read or write is logged, and the
-measured value used.
+A process measures an entry while holding a lock of that entry's own (an
+flock, released if the process dies): workers that start together would
+otherwise time against each other on the same cores and keep a figure
+taken under that load. The others wait, then read what it kept, so the
+processes of a host agree.
+
+An entry timed while the host was busy stays until one of its inputs
+changes: delete the folder to time again, or set
+LORAGW_CPU_CALIBRATION_CACHE=0 to time in every process, as the test suite
+does. The cache never stops a model from loading: a folder it cannot read
+or write is logged, and the measured value used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-import native
 from engine.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
@@ -49,15 +54,14 @@ ENV_SWITCH = "LORAGW_CPU_CALIBRATION_CACHE"
 # Bumped when an entry's meaning changes in a way that its inputs do not show.
 FORMAT = 1
 _MODEL = Path(__file__).parent
-# The Python whose timing loops, constants and rules make a calibration.
+# A change to the timing loops, their constants or the rules that read the
+# timings can move an answer as much as a new kernel can.
 DECIDING_CODE = (_MODEL / "cpu_linear.py", _MODEL / "quant_linear.py", Path(__file__))
-# The kernels that calibrations time.
-KERNEL_SOURCES = (_MODEL.parent / "csrc" / "cpu_linear.cpp", _MODEL.parent / "csrc" / "quant_linear.cpp")
 
 
 class Calibration(NamedTuple):
     value: int | bool
-    kept_in: Path | None  # the entry it was read from; None: measured by this process
+    kept_in: Path | None  # the entry read, kept by an earlier process; None: measured here
 
     def origin(self, started: float) -> str:
         """How it was had, for a log line; `started` is the perf_counter
@@ -77,21 +81,31 @@ def remembered(facts: Callable[[], dict], kind: type, measure: Callable[[], int 
     described = facts()
     try:
         key = digest(described)
-    except OSError as exc:  # an install without the kernels' sources: nothing to key an entry by
+    except OSError as exc:  # a compiled kernel gone from under us: nothing to key an entry by
         log.warning("kernel calibrations are not kept: %s", exc)
         return Calibration(measure(), None)
     path = folder() / f"{key[:32]}.json"
-    kept = read(path, key, kind)
-    if kept is not None:
-        return Calibration(kept, path)
-    value = measure()
-    entry = {"format": FORMAT, "key": key, "facts": described, "value": value,
-             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    return publish(path, key, kind, entry)
+    with locked(path):
+        kept = read(path, key, kind)
+        if kept is not None:
+            return Calibration(kept, path)
+        value = measure()
+        keep(path, {"format": FORMAT, "key": key, "facts": described, "value": value,
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return Calibration(value, None)
 
 
 def folder() -> Path:
     return cache_root() / "calibration"
+
+
+def kernel_files() -> list[str | None]:
+    """The compiled kernels that calibrations time (None: not built here).
+    Their bytes stand for everything a build depends on: the sources, the
+    shared headers, the flags, the compiler, the CPU it was built for."""
+    from engine.model import cpu_linear, quant_linear  # both import this module
+
+    return [getattr(kernel, "__file__", None) for kernel in (cpu_linear.load_kernel(), quant_linear.load_kernel())]
 
 
 def digest(facts: dict) -> str:
@@ -99,12 +113,37 @@ def digest(facts: dict) -> str:
     inputs = {
         "format": FORMAT,
         "facts": facts,
-        "kernels": [native.cache_key(source) for source in KERNEL_SOURCES],
-        "code": hashlib.sha256(b"".join(path.read_bytes() for path in DECIDING_CODE)).hexdigest(),
+        "kernels": [file_digest(Path(path)) if path else None for path in kernel_files()],
+        "code": [file_digest(path) for path in DECIDING_CODE],
         "torch": torch.__version__,
-        "threads_sleep": native.threads_sleep(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "").strip().upper(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Holds `path`'s own lock against other processes. Per entry, not per
+    folder: measuring a quantized kernel's limit asks for the float
+    kernel's, whose entry this process must still be able to take. Without
+    a lock (a folder that cannot be written) the caller measures anyway."""
+    handle = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the yield
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError as exc:
+        log.warning("could not lock the calibration entry %s (%s): measuring without it", path, exc)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # and with it the lock
 
 
 def read(path: Path, key: str, kind: type) -> int | bool | None:
@@ -125,23 +164,19 @@ def read(path: Path, key: str, kind: type) -> int | bool | None:
     return value
 
 
-def publish(path: Path, key: str, kind: type, entry: dict) -> Calibration:
-    """Keeps `entry` at `path` unless another process kept one first, whose
-    value then wins; a file there that `read` rejects is replaced."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
+def keep(path: Path, entry: dict) -> None:
+    """Writes `entry` at `path` whole (a partial file renamed over it), or
+    logs why it could not."""
+    partial = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(entry, sort_keys=True))
-        try:
-            os.link(partial, path)
-        except FileExistsError:
-            first = read(path, key, kind)
-            if first is not None:
-                return Calibration(first, path)
-            os.replace(partial, path)
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(entry, handle, sort_keys=True)
+        os.replace(partial, path)
+        partial = None
     except OSError as exc:
         log.warning("could not keep a calibration in %s (%s): later processes will measure again", path, exc)
     finally:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-    return Calibration(entry["value"], None)
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)

@@ -142,8 +142,9 @@ def packing_pays(dtype: torch.dtype, threads: int) -> bool:
     """Whether weights of `dtype` are worth packing with `threads` torch
     threads: LORAGW_CPU_PACKED_WEIGHTS when set ("0" or "1"), else as kept
     on this host (calibration_cache.py) or measured on the calibration
-    weights, the packed product against F.linear at PACK_CALIBRATION_ROWS. Never for a dtype but PACKED_DTYPES, nor
-    where this torch or CPU cannot pack it (`can_pack`)."""
+    weights, the packed product against F.linear at PACK_CALIBRATION_ROWS.
+    Never for a dtype but PACKED_DTYPES, nor where this torch or CPU cannot
+    pack it (`can_pack`)."""
     if not can_pack(dtype):
         return False
     env = os.environ.get(PACK_ENV)
@@ -194,7 +195,8 @@ def row_limit(dtype: torch.dtype, threads: int) -> int:
     packed = [pack(w) for w in weights]  # the torch path the larger calls take
     return calibrated_limit("CPU linear kernel", dtype, threads,
                             lambda x, out, i: kernel.skinny_linear(x, weights[i], None, out),
-                            lambda x, i: linear(None, x, weights[i], None, packed[i]))
+                            lambda x, i: linear(None, x, weights[i], None, packed[i]),
+                            paths={"packed": packed[0] is not None})
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -254,20 +256,22 @@ def copies_for(rows: int) -> int:
 
 def calibrated_limit(what: str, dtype: torch.dtype, threads: int, run_kernel, run_torch, *,
                      shape: tuple[int, int] = CALIBRATION_SHAPE, copies=copies_for,
-                     rows: tuple[int, ...] = CALIBRATION_ROWS) -> int:
+                     rows: tuple[int, ...] = CALIBRATION_ROWS, paths: dict | None = None) -> int:
     """LORAGW_CPU_LINEAR_MAX_ROWS when set, else the crossover of
     `run_kernel(x, out)` against `run_torch(x)` on weights of `shape`, as
     this host kept it (calibration_cache.py) or measured now, and logged;
-    `measure` says what `copies` and `rows` are."""
+    `measure` says what `copies` and `rows` are. `paths` tells the cache
+    what else decides the two paths' times besides `what` (the kernel and
+    the options in its label): whether the torch side multiplies by packed
+    copies, the float kernel's own limit where that side calls it."""
     env = env_row_limit()
     if env is not None:
         return env
     t0 = time.perf_counter()
 
     def facts() -> dict:
-        # The torch path multiplies by packed copies where packing pays.
         return {"limit": what, "dtype": str(dtype), "threads": threads, "shape": list(shape), "rows": list(rows),
-                "copies": [copies(r) for r in rows], "packed": packing_pays(dtype, threads)}
+                "copies": [copies(r) for r in rows], "paths": paths or {}}
 
     found = calibration_cache.remembered(
         facts, int, lambda: crossover(measure(run_kernel, run_torch, dtype, shape, copies, rows)))

@@ -20,9 +20,9 @@ Formats (both quantized from the float32 checkpoint when the model loads):
 The C++ kernel (engine/csrc/quant_linear.cpp) is cpu_linear's skinny kernel
 with a dequantizing weight load; it takes up to `row_limit` rows, measured
 against the twin when the model is built and kept for the host, as the
-float kernel's. Q4_1 and
-Q8_0 with bfloat16 activations on a CPU with AVX512-BF16 go another way:
-each thread dequantizes a tile of weight rows once, to bfloat16, and
+float kernel's. Q4_1 and Q8_0 with bfloat16 activations on a CPU with
+AVX512-BF16 go another way: each thread dequantizes a tile of weight rows
+once, to bfloat16, and
 multiplies every token row by it with bfloat16 dot products, which carries
 it past the few rows of a decode step (32 rows on a 2-core Intel Xeon,
 against 8). With float32 activations on AVX2 (no AVX-512) they take a
@@ -346,7 +346,16 @@ def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = No
                                        lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
                                        lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i],
                                                                       None, packed[i]),
-                                       rows=LAYER_CALIBRATION_ROWS)
+                                       rows=LAYER_CALIBRATION_ROWS,
+                                       paths=float_paths(float_kernel, packed[0], dtype, threads))
+
+
+def float_paths(float_kernel, packed: torch.Tensor | None, dtype: torch.dtype, threads: int) -> dict:
+    """What the float side of a limit beside float weights runs, for
+    `calibrated_limit`'s `paths`: its calls of up to the float kernel's
+    limit go to that kernel, the others to the packed copy or F.linear."""
+    return {"packed": packed is not None,
+            "float_limit": cpu_linear.row_limit(dtype, threads) if float_kernel is not None else None}
 
 
 # Row counts tried on an LM head. A step's head call has a row per sampling
@@ -361,8 +370,8 @@ def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, floa
     """The most rows for which the kernel multiplies by an LM head kept
     beside its float weights (quantization "auto", a Q8_0 head), measured on
     that head against the float path (`linear`'s arguments), once a host
-    for its format, shape, dtype and thread count (`cpu_linear.calibrated_limit`). The layers' calibration
-    shape does not stand for it: on 2 Zen 4 cores the Q8_0 kernel beat
+    for its format, shape, dtype and thread count (`calibrated_limit`).
+    The layers' calibration shape does not stand for it: on 2 Zen 4 cores the Q8_0 kernel beat
     oneDNN's packed bfloat16 product on the 1536 x 576 shape at 32 rows, and
     lost to it by 14-17% on the 49152 x 576 head from 16 rows
     (benchmarks/quant_linear.py). One copy is timed: the head alone is more
@@ -380,7 +389,9 @@ def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, floa
             f"CPU {key[0]} kernel on the LM head", float_head.dtype, threads,
             lambda x, out, i: head.run_kernel(kernel, x, None, out),
             lambda x, i: cpu_linear.linear(float_kernel, x, float_head, None, float_packed),
-            shape=key[1], copies=lambda rows: 1, rows=HEAD_CALIBRATION_ROWS)
+            shape=key[1], copies=lambda rows: 1, rows=HEAD_CALIBRATION_ROWS,
+            paths={**float_paths(float_kernel, float_packed, float_head.dtype, threads),
+                   "int8_activations": key[5]})
     return _head_limits[key]
 
 

@@ -76,59 +76,56 @@ def test_other_facts_are_measured_apart(kept):
     assert len(calls) == 3 and len(list(kept.glob("*.json"))) == 3
 
 
-@pytest.mark.parametrize("change", ["kernel source", "torch", "threads sleep"])
+@pytest.mark.parametrize("change", ["kernel build", "deciding code", "torch", "wait policy", "no wait policy"])
 def test_a_changed_input_measures_again(kept, monkeypatch, tmp_path, change):
-    """What the key covers besides the caller's facts: the kernels' sources
-    (and so their build keys), torch's version, the OpenMP wait policy."""
-    sources = []
-    for source in calibration_cache.KERNEL_SOURCES:
-        sources.append(tmp_path / source.name)
-        shutil.copy(source, sources[-1])
-    monkeypatch.setattr(calibration_cache, "KERNEL_SOURCES", tuple(sources))
+    """What the key covers besides the caller's facts: the compiled kernels,
+    the Python that decides, torch's version, the OpenMP wait policy."""
+    builds, code = [tmp_path / "a.so", tmp_path / "b.so"], [tmp_path / "cpu_linear.py"]
+    for path in (*builds, *code):
+        path.write_bytes(b"built")
+    monkeypatch.setattr(calibration_cache, "kernel_files", lambda: [str(builds[0]), str(builds[1]), None])
+    monkeypatch.setattr(calibration_cache, "DECIDING_CODE", tuple(code))
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     measure, calls = counting(8, 16, 16)
     assert calibration_cache.remembered(lambda: FACTS, int, measure).value == 8
-    if change == "kernel source":
-        sources[1].write_text(sources[1].read_text() + "\n// changed\n")
+    if change == "kernel build":
+        builds[1].write_bytes(b"built again")
+    elif change == "deciding code":
+        code[0].write_bytes(b"edited")
     elif change == "torch":
         monkeypatch.setattr(calibration_cache.torch, "__version__", torch.__version__ + "+other")
-    else:
+    elif change == "wait policy":
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    else:  # libgomp's default, which spins a while and then sleeps: neither of the two
+        monkeypatch.delenv("OMP_WAIT_POLICY")
     assert calibration_cache.remembered(lambda: FACTS, int, measure) == (16, None)
     assert calibration_cache.remembered(lambda: FACTS, int, measure).kept_in is not None and len(calls) == 2
 
 
-def test_a_process_that_kept_its_value_first_wins(kept):
-    """Two processes measuring at once: the one that publishes second takes
-    the first one's value, so both run the same paths."""
-    other, _ = counting(64)
-
-    def measure_while_another_publishes():
-        calibration_cache.remembered(lambda: FACTS, int, other)
-        return 32
-
-    found = calibration_cache.remembered(lambda: FACTS, int, measure_while_another_publishes)
-    assert found.value == 64 and found.kept_in is not None
-    assert json.loads(found.kept_in.read_text())["value"] == 64
+def test_the_key_stands_for_the_kernels_this_process_loaded(kept):
+    loaded = [cpu_linear.load_kernel(), quant_linear.load_kernel()]
+    assert calibration_cache.kernel_files() == [getattr(k, "__file__", None) for k in loaded]
 
 
-@pytest.mark.parametrize("damage", [  # "KEY": the entry's right key
-    "not json {", "[]", {"value": 8}, {"key": "another", "value": 8}, {"key": "KEY", "value": "8"},
-    {"key": "KEY", "value": True}, {"key": "KEY", "value": -1}, {"key": "KEY", "value": 8.0},
+@pytest.mark.parametrize(("kind", "damage"), [  # "KEY": the entry's right key
+    (int, "not json {"), (int, "[]"), (int, {"value": 8}), (int, {"key": "another", "value": 8}),
+    (int, {"key": "KEY", "value": "8"}), (int, {"key": "KEY", "value": True}), (int, {"key": "KEY", "value": -1}),
+    (int, {"key": "KEY", "value": 8.0}), (bool, {"key": "KEY", "value": 1}), (bool, {"key": "KEY", "value": 0}),
 ])
-def test_an_entry_that_cannot_be_trusted_is_measured_again_and_replaced(kept, caplog, damage):
+def test_an_entry_that_cannot_be_trusted_is_measured_again_and_replaced(kept, caplog, kind, damage):
     key = calibration_cache.digest(FACTS)
     path = kept / f"{key[:32]}.json"
     path.parent.mkdir(parents=True)
     if isinstance(damage, dict) and damage.get("key") == "KEY":
         damage = {**damage, "key": key}
     path.write_text(damage if isinstance(damage, str) else json.dumps(damage))
-    measure, calls = counting(16)
+    measured = {int: 16, bool: False}[kind]
+    measure, calls = counting(measured)
     with caplog.at_level(logging.WARNING, logger=calibration_cache.__name__):
-        assert calibration_cache.remembered(lambda: FACTS, int, measure) == (16, None)
+        assert calibration_cache.remembered(lambda: FACTS, kind, measure) == (measured, None)
     assert "ignoring the calibration entry" in caplog.text
-    assert json.loads(path.read_text())["value"] == 16
-    assert calibration_cache.remembered(lambda: FACTS, int, measure) == (16, path) and len(calls) == 1
+    assert json.loads(path.read_text())["value"] is measured
+    assert calibration_cache.remembered(lambda: FACTS, kind, measure) == (measured, path) and len(calls) == 1
 
 
 def test_a_folder_that_cannot_be_written_leaves_the_measured_value(kept, monkeypatch, tmp_path, caplog):
@@ -142,8 +139,8 @@ def test_a_folder_that_cannot_be_written_leaves_the_measured_value(kept, monkeyp
     assert "could not keep a calibration" in caplog.text and len(calls) == 2
 
 
-def test_without_the_kernel_sources_to_key_by_every_call_measures(kept, monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(calibration_cache, "KERNEL_SOURCES", (tmp_path / "gone.cpp",))
+def test_without_a_kernel_build_to_key_by_every_call_measures(kept, monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(calibration_cache, "kernel_files", lambda: [str(tmp_path / "gone.so")])
     measure, calls = counting(8, 16)
     with caplog.at_level(logging.WARNING, logger=calibration_cache.__name__):
         assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, None)
@@ -193,9 +190,46 @@ def test_the_row_limit_and_packing_are_kept_and_the_environment_still_wins(kept,
     assert cpu_linear.row_limit(torch.float32, threads) == 4 and len(measured) == 2
 
 
+def test_the_limits_of_other_kernels_and_options_are_kept_apart(kept, monkeypatch):
+    """Each caller's facts name its kernel and the paths it is timed
+    against: the formats, int8 activations, the head and the layers each
+    get an entry of their own, and each is read back."""
+    if quant_linear.load_kernel() is None:
+        pytest.skip("needs the C++ quantized kernel")
+    monkeypatch.setattr(cpu_linear, "measure", lambda *args, **kwargs: {1: (1.0, 2.0)})
+    # Nothing is timed: small weights spare quantizing and packing 32 big ones.
+    monkeypatch.setattr(cpu_linear, "calibration_weights", lambda dtype: [torch.randn(64, 64).to(dtype)] * 2)
+    threads = torch.get_num_threads()
+    head = quant_linear.quantize(torch.randn(300, 64), "q8_0")
+    float_head = head.dequantize(torch.float32)
+
+    def limits():
+        cpu_linear.row_limit.cache_clear()
+        quant_linear.row_limit.cache_clear()
+        monkeypatch.setattr(quant_linear, "_head_limits", {})
+        for fmt in ("int4", "q8_0"):
+            for int8 in (False, True):
+                quant_linear.row_limit(torch.float32, threads, beside_float=fmt, int8_activations=int8)
+        for int8 in (False, True):
+            head.int8_activations = int8
+            quant_linear.head_row_limit(quant_linear.load_kernel(), head, float_head, cpu_linear.load_kernel())
+
+    limits()
+    entries = {path.name: json.loads(path.read_text())["facts"] for path in kept.glob("*.json")}
+    assert len(entries) == 1 + 4 + 2  # the float kernel's limit, four layer limits, two head limits
+    heads = [facts for facts in entries.values() if facts["shape"] == [300, 64]]
+    assert sorted(facts["paths"]["int8_activations"] for facts in heads) == [False, True]
+    assert all(facts["paths"]["float_limit"] == 1 for facts in heads)
+    monkeypatch.setattr(cpu_linear, "measure", lambda *args, **kwargs: pytest.fail("measured again"))
+    limits()
+    assert len(list(kept.glob("*.json"))) == len(entries)
+
+
 def test_a_second_process_reads_what_the_first_measured(tmp_path):
     """Two processes, the real measurement: the key is the same from one
     process to the next, and the second times nothing."""
+    if cpu_linear.load_kernel() is None:
+        pytest.skip("without the kernel nothing is measured (limit 0), so nothing is kept")
     script = ("import logging, sys, torch; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
               "from engine.model import cpu_linear; "
               "print('LIMIT', cpu_linear.row_limit(torch.float32, torch.get_num_threads()))")
@@ -206,8 +240,40 @@ def test_a_second_process_reads_what_the_first_measured(tmp_path):
                            timeout=300, check=True).stdout for _ in range(2)]
     limits = [line for run in runs for line in run.splitlines() if line.startswith("LIMIT")]
     assert len(limits) == 2 and limits[0] == limits[1]
-    if cpu_linear.load_kernel() is None:
-        return  # no kernel: nothing is measured (limit 0), so nothing is kept
     assert "calibrated in" in runs[0] and "kept in" not in runs[0]
     assert "kept in" in runs[1] and "calibrated in" not in runs[1]
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+
+# Measures for a second, holding the entry's lock, and reports its own pid
+# as the value: the processes that wait must report the one that measured.
+MEASURE_WHILE_OTHERS_START = """
+import os, sys, time
+from engine.model import calibration_cache
+print("READY", flush=True)
+sys.stdin.readline()
+def measure():
+    time.sleep(1.0)
+    return os.getpid()
+found = calibration_cache.remembered(lambda: {"limit": "a race"}, int, measure)
+print("VALUE", found.value, "MEASURED", found.kept_in is None, "PID", os.getpid())
+"""
+
+
+def test_processes_that_start_together_measure_once_and_agree(tmp_path):
+    env = {**os.environ, calibration_cache.ENV_SWITCH: "1", "LORAGW_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURE_WHILE_OTHERS_START], cwd=REPO, env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(3)]
+    try:
+        for proc in procs:  # all imported, then all released at once
+            assert proc.stdout.readline() == "READY\n"
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        reports = [proc.communicate(timeout=120)[0].split() for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    values = {report[1] for report in reports}
+    measured = [report[5] for report in reports if report[3] == "True"]
+    assert len(values) == 1 and len(measured) == 1 and values == set(measured)
