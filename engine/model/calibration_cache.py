@@ -21,7 +21,7 @@ A process measures an entry while holding a lock of that entry's own (an
 flock, released if the process dies): workers that start together would
 otherwise time against each other on the same cores and keep a figure
 taken under that load. The others wait, then read what it kept, so the
-processes of a host agree.
+processes of a host agree (for a minute at most: LOCK_WAIT_S).
 
 An entry timed while the host was busy stays until one of its inputs
 changes: delete the folder to time again, or set
@@ -57,6 +57,12 @@ _MODEL = Path(__file__).parent
 # A change to the timing loops, their constants or the rules that read the
 # timings can move an answer as much as a new kernel can.
 DECIDING_CODE = (_MODEL / "cpu_linear.py", _MODEL / "quant_linear.py", Path(__file__))
+
+
+# A measurement takes a second or less; a holder that keeps the lock far
+# longer is stuck (stopped, or on a filesystem whose locks never free), and
+# a model load must not wait on it.
+LOCK_WAIT_S = 60.0
 
 
 class Calibration(NamedTuple):
@@ -136,7 +142,15 @@ def locked(path: Path) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the yield
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(f"another process has held it for {LOCK_WAIT_S:.0f} s") from None
+                time.sleep(0.05)
     except OSError as exc:
         log.warning("could not lock the calibration entry %s (%s): measuring without it", path, exc)
     try:

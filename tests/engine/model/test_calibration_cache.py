@@ -139,6 +139,21 @@ def test_a_folder_that_cannot_be_written_leaves_the_measured_value(kept, monkeyp
     assert "could not keep a calibration" in caplog.text and len(calls) == 2
 
 
+def test_a_lock_held_too_long_is_not_waited_for(kept, monkeypatch, caplog):
+    import fcntl
+
+    monkeypatch.setattr(calibration_cache, "LOCK_WAIT_S", 0.2)
+    path = kept / f"{calibration_cache.digest(FACTS)[:32]}.json"
+    path.parent.mkdir(parents=True)
+    measure, calls = counting(8)
+    with open(path.with_suffix(".lock"), "a") as stuck:  # another open file: flock excludes it
+        fcntl.flock(stuck, fcntl.LOCK_EX)
+        with caplog.at_level(logging.WARNING, logger=calibration_cache.__name__):
+            assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, None)
+    assert "measuring without it" in caplog.text and len(calls) == 1
+    assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, path)
+
+
 def test_without_a_kernel_build_to_key_by_every_call_measures(kept, monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(calibration_cache, "kernel_files", lambda: [str(tmp_path / "gone.so")])
     measure, calls = counting(8, 16)
