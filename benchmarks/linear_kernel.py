@@ -7,7 +7,9 @@ For each row count M (token rows of the step), both paths run over the
 whole model interleaved, round by round; each figure is the median of the
 rounds, in milliseconds per step, with the kernel's speedup. Where torch's
 GEMM wins again depends on the host (cpu_linear.row_limit measures it when
-the engine starts); the JSON also records the limit that calibration chose.
+the engine first starts on a host, and later starts read what it kept); the
+JSON also records that limit. LORAGW_CPU_CALIBRATION_CACHE=0 measures it in
+this run instead.
 
     python benchmarks/linear_kernel.py [--rows 1 2 4 8 16 32 64 128 512 1024] [--dtype float32]
         [--threads N] [--rounds 7] [--out PATH]

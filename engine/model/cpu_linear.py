@@ -191,12 +191,16 @@ def row_limit(dtype: torch.dtype, threads: int) -> int:
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return env_row_limit() or 0
-    weights = calibration_weights(dtype)
-    packed = [pack(w) for w in weights]  # the torch path the larger calls take
+
+    @functools.cache
+    def inputs():  # made when measured: a kept limit spares building them
+        weights = calibration_weights(dtype)
+        return weights, [pack(w) for w in weights]  # packed: the torch path the larger calls take
+
     return calibrated_limit("CPU linear kernel", dtype, threads,
-                            lambda x, out, i: kernel.skinny_linear(x, weights[i], None, out),
-                            lambda x, i: linear(None, x, weights[i], None, packed[i]),
-                            paths={"packed": packed[0] is not None})
+                            lambda x, out, i: kernel.skinny_linear(x, inputs()[0][i], None, out),
+                            lambda x, i: linear(None, x, inputs()[0][i], None, inputs()[1][i]),
+                            paths={"packed": packing_pays(dtype, threads)})
 
 
 def can_pack(dtype: torch.dtype) -> bool:

@@ -19,34 +19,32 @@ Formats (both quantized from the float32 checkpoint when the model loads):
 
 The C++ kernel (engine/csrc/quant_linear.cpp) is cpu_linear's skinny kernel
 with a dequantizing weight load; it takes up to `row_limit` rows, measured
-against the twin when the model is built and kept for the host, as the
-float kernel's. Q4_1 and Q8_0 with bfloat16 activations on a CPU with
-AVX512-BF16 go another way: each thread dequantizes a tile of weight rows
-once, to bfloat16, and
-multiplies every token row by it with bfloat16 dot products, which carries
-it past the few rows of a decode step (32 rows on a 2-core Intel Xeon,
-against 8). With float32 activations on AVX2 (no AVX-512) they take a
-blocked path: a block's 32 weights widened at once, each row's sum scaled
-by the block's d once and m taken out of the sum, which made a one-row
-call about 3x faster there (docs/engine.md). Float32 Q4_1 on any AVX2
-host, AVX-512 ones included, goes further and reads a copy of its rows
+against the twin when the model is built and kept for the host, as the float
+kernel's. Q4_1 and Q8_0 with bfloat16 activations on a CPU with AVX512-BF16
+go another way: each thread dequantizes a tile of weight rows once, to
+bfloat16, and multiplies every token row by it with bfloat16 dot products,
+which carries it past the few rows of a decode step (32 rows on a 2-core
+Intel Xeon, against 8). With float32 activations on AVX2 (no AVX-512) they
+take a blocked path: a block's 32 weights widened at once, each row's sum
+scaled by the block's d once and m taken out of the sum, which made a
+one-row call about 3x faster there (docs/engine.md). Float32 Q4_1 on any
+AVX2 host, AVX-512 ones included, goes further and reads a copy of its rows
 interleaved 8 at a time (`Q41Weight.interleaved`, made on the first call),
 so that lanes run over weight rows and each token row pays one multiply-add
 per 8 weights, or per 16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1
-to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5); calls of 17
-rows or more on AVX2 and Zen 4, 9 or more on other AVX-512 hosts,
-dequantize it to a float32 panel per thread instead, bit for bit the same
-sums (1.2-1.3x faster at 17 to 128 rows on the Zen 3; on a 2-core Intel
-Xeon 0.96-1.12x at 9 to 16 rows, 1.16-1.29x at 17 to 128). With float32
-activations on AVX-512, other calls of more than 4 rows widen each tile
-of weight rows once per thread, into float32, and run the widening loop's
-sums over it, bit for bit (26-41% faster at 32-64 rows on a 2-core Intel
-Xeon). Larger calls (long prefill
-chunks), other devices (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the
-torch twin: dequantize the weight for the call, then F.linear. No float
+to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5); calls of 17 rows
+or more on AVX2 and Zen 4, 9 or more on other AVX-512 hosts, dequantize it
+to a float32 panel per thread instead, bit for bit the same sums (1.2-1.3x
+faster at 17 to 128 rows on the Zen 3; on a 2-core Intel Xeon 0.96-1.12x at
+9 to 16 rows, 1.16-1.29x at 17 to 128). With float32 activations on AVX-512,
+other calls of more than 4 rows widen each tile of weight rows once per
+thread, into float32, and run the widening loop's sums over it, bit for bit
+(26-41% faster at 32-64 rows on a 2-core Intel Xeon). Larger calls (long
+prefill chunks), other devices (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take
+the torch twin: dequantize the weight for the call, then F.linear. No float
 copy is kept, so memory holds the quantized weights only;
-`benchmarks/quant_linear.py` measures what the per-call dequantization
-costs a long chunk.
+`benchmarks/quant_linear.py` measures what the per-call dequantization costs
+a long chunk.
 
 With activation quantization int8 (opt-in, float32, any AVX2 host), the
 Q4_1 and Q8_0 kernel calls round each token row's block of 32 activations
@@ -331,30 +329,37 @@ def row_limit(dtype: torch.dtype, threads: int, *, beside_float: str | None = No
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return cpu_linear.env_row_limit() or 0
-    weights = cpu_linear.calibration_weights(torch.float32)
     if beside_float is None:
-        quantized = [quantize_int8(w) for w in weights]
+        int8 = functools.cache(lambda: [quantize_int8(w) for w in cpu_linear.calibration_weights(torch.float32)])
         return cpu_linear.calibrated_limit("CPU quantized linear kernel", dtype, threads,
-                                           lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
-                                           lambda x, i: twin(x, quantized[i]))
-    quantized = [replace(quantize(w, beside_float), int8_activations=True) if int8_activations
-                 else quantize(w, beside_float) for w in weights]
-    float_weights, float_kernel = [w.to(dtype) for w in weights], cpu_linear.load_kernel()
-    packed = [cpu_linear.pack(w) for w in float_weights]
+                                           lambda x, out, i: int8()[i].run_kernel(kernel, x, None, out),
+                                           lambda x, i: twin(x, int8()[i]))
+
+    @functools.cache
+    def inputs():  # made when measured: a kept limit spares building them
+        weights = cpu_linear.calibration_weights(torch.float32)
+        quantized = [replace(quantize(w, beside_float), int8_activations=True) if int8_activations
+                     else quantize(w, beside_float) for w in weights]
+        float_weights = [w.to(dtype) for w in weights]
+        return quantized, float_weights, [cpu_linear.pack(w) for w in float_weights]
+
+    float_kernel = cpu_linear.load_kernel()
     label = f"CPU {beside_float} kernel{' on int8 activations' if int8_activations else ''} beside float weights"
     return cpu_linear.calibrated_limit(label, dtype, threads,
-                                       lambda x, out, i: quantized[i].run_kernel(kernel, x, None, out),
-                                       lambda x, i: cpu_linear.linear(float_kernel, x, float_weights[i],
-                                                                      None, packed[i]),
+                                       lambda x, out, i: inputs()[0][i].run_kernel(kernel, x, None, out),
+                                       lambda x, i: cpu_linear.linear(float_kernel, x, inputs()[1][i],
+                                                                      None, inputs()[2][i]),
                                        rows=LAYER_CALIBRATION_ROWS,
-                                       paths=float_paths(float_kernel, packed[0], dtype, threads))
+                                       paths=float_paths(float_kernel, cpu_linear.packing_pays(dtype, threads),
+                                                         dtype, threads))
 
 
-def float_paths(float_kernel, packed: torch.Tensor | None, dtype: torch.dtype, threads: int) -> dict:
+def float_paths(float_kernel, packed: bool, dtype: torch.dtype, threads: int) -> dict:
     """What the float side of a limit beside float weights runs, for
     `calibrated_limit`'s `paths`: its calls of up to the float kernel's
-    limit go to that kernel, the others to the packed copy or F.linear."""
-    return {"packed": packed is not None,
+    limit go to that kernel, the others to a packed copy (`packed`) or
+    F.linear. Resolved before the limit's own entry is locked."""
+    return {"packed": packed,
             "float_limit": cpu_linear.row_limit(dtype, threads) if float_kernel is not None else None}
 
 
@@ -362,7 +367,7 @@ def float_paths(float_kernel, packed: torch.Tensor | None, dtype: torch.dtype, t
 # sequence, so a few hundred at most, and timing a 1,024-row product of the
 # head would add seconds to a model's load.
 HEAD_CALIBRATION_ROWS = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= 256)
-_head_limits: dict[tuple, int] = {}  # measured ones only: LORAGW_CPU_LINEAR_MAX_ROWS is read each time
+_head_limits: dict[tuple, int] = {}  # measured or kept; LORAGW_CPU_LINEAR_MAX_ROWS is read each time
 
 
 def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, float_kernel=None,
@@ -390,7 +395,7 @@ def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, floa
             lambda x, out, i: head.run_kernel(kernel, x, None, out),
             lambda x, i: cpu_linear.linear(float_kernel, x, float_head, None, float_packed),
             shape=key[1], copies=lambda rows: 1, rows=HEAD_CALIBRATION_ROWS,
-            paths={**float_paths(float_kernel, float_packed, float_head.dtype, threads),
+            paths={**float_paths(float_kernel, float_packed is not None, float_head.dtype, threads),
                    "int8_activations": key[5]})
     return _head_limits[key]
 

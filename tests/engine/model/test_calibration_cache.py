@@ -28,6 +28,9 @@ def kept(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAGW_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(cpu_linear.ROWS_ENV, raising=False)
     monkeypatch.setenv(cpu_linear.PACK_ENV, "0")
+    # Kept however busy the host is: the tests of that rule set it themselves.
+    monkeypatch.setattr(calibration_cache, "QUIET_OTHERS_CORES", float("inf"))
+    monkeypatch.setattr(calibration_cache, "MIN_WINDOW_S", 0.0)
 
     def clear():
         cpu_linear.row_limit.cache_clear()
@@ -76,10 +79,12 @@ def test_other_facts_are_measured_apart(kept):
     assert len(calls) == 3 and len(list(kept.glob("*.json"))) == 3
 
 
-@pytest.mark.parametrize("change", ["kernel build", "deciding code", "torch", "wait policy", "no wait policy"])
+@pytest.mark.parametrize("change", ["kernel build", "deciding code", "torch", "torch's instructions", "cpu",
+                                    "cores", "wait policy", "no wait policy"])
 def test_a_changed_input_measures_again(kept, monkeypatch, tmp_path, change):
     """What the key covers besides the caller's facts: the compiled kernels,
-    the Python that decides, torch's version, the OpenMP wait policy."""
+    the Python that decides, torch and its instructions, the CPU and the
+    cores, the OpenMP wait policy."""
     builds, code = [tmp_path / "a.so", tmp_path / "b.so"], [tmp_path / "cpu_linear.py"]
     for path in (*builds, *code):
         path.write_bytes(b"built")
@@ -94,6 +99,12 @@ def test_a_changed_input_measures_again(kept, monkeypatch, tmp_path, change):
         code[0].write_bytes(b"edited")
     elif change == "torch":
         monkeypatch.setattr(calibration_cache.torch, "__version__", torch.__version__ + "+other")
+    elif change == "torch's instructions":
+        monkeypatch.setattr(calibration_cache.torch.backends.cpu, "get_cpu_capability", lambda: "OTHER")
+    elif change == "cpu":
+        monkeypatch.setattr(calibration_cache.native, "cpu_fingerprint", lambda: "another model")
+    elif change == "cores":
+        monkeypatch.setattr(calibration_cache.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7, 8})
     elif change == "wait policy":
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     else:  # libgomp's default, which spins a while and then sleeps: neither of the two
@@ -102,9 +113,12 @@ def test_a_changed_input_measures_again(kept, monkeypatch, tmp_path, change):
     assert calibration_cache.remembered(lambda: FACTS, int, measure).kept_in is not None and len(calls) == 2
 
 
-def test_the_key_stands_for_the_kernels_this_process_loaded(kept):
-    loaded = [cpu_linear.load_kernel(), quant_linear.load_kernel()]
-    assert calibration_cache.kernel_files() == [getattr(k, "__file__", None) for k in loaded]
+def test_the_key_stands_for_the_compiled_kernels(kept):
+    files = calibration_cache.kernel_files()
+    assert len(files) == 2
+    for path, kernel in zip(files, (cpu_linear.load_kernel(), quant_linear.load_kernel()), strict=True):
+        assert (path is None) == (kernel is None)
+        assert path is None or (Path(path).is_file() and Path(path).suffix == ".so")
 
 
 @pytest.mark.parametrize(("kind", "damage"), [  # "KEY": the entry's right key
@@ -136,13 +150,45 @@ def test_a_folder_that_cannot_be_written_leaves_the_measured_value(kept, monkeyp
     with caplog.at_level(logging.WARNING, logger=calibration_cache.__name__):
         assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, None)
         assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, None)
-    assert "could not keep a calibration" in caplog.text and len(calls) == 2
+    assert "cannot be kept" in caplog.text and "ignoring" not in caplog.text and len(calls) == 2
+
+
+def test_what_others_used_is_the_host_busy_time_less_this_process(kept):
+    start = calibration_cache.Sample(10.0, host_busy_ticks=1_000, own_ticks=300)
+    # 0.5 s: the host's CPUs were busy 80 ticks (0.8 s), 30 of them ours.
+    end = calibration_cache.Sample(10.5, host_busy_ticks=1_080, own_ticks=330)
+    assert calibration_cache.others_cores(start, end, 100) == pytest.approx(1.0)
+    assert calibration_cache.others_cores(start, end._replace(host_busy_ticks=1_020), 100) == 0.0  # tick rounding
+    assert calibration_cache.others_cores(start, end._replace(host_busy_ticks=None), 100) is None
+    own = calibration_cache.own_ticks()
+    assert own is None or (isinstance(own, int) and own >= 0)
+
+
+def test_a_measurement_beside_a_busy_process_is_used_and_not_kept(kept, monkeypatch, caplog):
+    monkeypatch.setattr(calibration_cache, "QUIET_OTHERS_CORES", 0.5)
+    monkeypatch.setattr(calibration_cache, "MIN_WINDOW_S", 0.25)
+    if calibration_cache.host_busy_ticks() is None or calibration_cache.own_ticks() is None:
+        pytest.skip("the host does not report CPU time (/proc)")
+
+    def measure_beside_a_spinning_process():
+        subprocess.run([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"],
+                       check=True, timeout=60)
+        return 8
+
+    with caplog.at_level(logging.INFO, logger=calibration_cache.__name__):
+        assert calibration_cache.remembered(lambda: FACTS, int, measure_beside_a_spinning_process) == (8, None)
+    assert "not keeping the calibration" in caplog.text and not list(kept.glob("*.json"))
+    monkeypatch.setattr(calibration_cache, "QUIET_OTHERS_CORES", float("inf"))
+    monkeypatch.setattr(calibration_cache, "host_busy_ticks", lambda: None)  # a host without /proc: kept
+    measure, _ = counting(16)
+    assert calibration_cache.remembered(lambda: FACTS, int, measure) == (16, None)
+    assert json.loads(next(kept.glob("*.json")).read_text())["others_cores"] is None
 
 
 def test_a_lock_held_too_long_is_not_waited_for(kept, monkeypatch, caplog):
     import fcntl
 
-    monkeypatch.setattr(calibration_cache, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(calibration_cache, "LOCK_WAIT_S", 0.0)
     path = kept / f"{calibration_cache.digest(FACTS)[:32]}.json"
     path.parent.mkdir(parents=True)
     measure, calls = counting(8)
@@ -150,7 +196,7 @@ def test_a_lock_held_too_long_is_not_waited_for(kept, monkeypatch, caplog):
         fcntl.flock(stuck, fcntl.LOCK_EX)
         with caplog.at_level(logging.WARNING, logger=calibration_cache.__name__):
             assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, None)
-    assert "measuring without it" in caplog.text and len(calls) == 1
+    assert "measuring without the lock" in caplog.text and len(calls) == 1
     assert calibration_cache.remembered(lambda: FACTS, int, measure) == (8, path)
 
 
@@ -246,7 +292,8 @@ def test_a_second_process_reads_what_the_first_measured(tmp_path):
     if cpu_linear.load_kernel() is None:
         pytest.skip("without the kernel nothing is measured (limit 0), so nothing is kept")
     script = ("import logging, sys, torch; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
-              "from engine.model import cpu_linear; "
+              "from engine.model import calibration_cache, cpu_linear; "
+              "calibration_cache.QUIET_OTHERS_CORES = float('inf'); "  # kept on a busy host too
               "print('LIMIT', cpu_linear.row_limit(torch.float32, torch.get_num_threads()))")
     env = {**os.environ, calibration_cache.ENV_SWITCH: "1", "LORAGW_CACHE_DIR": str(tmp_path),
            cpu_linear.PACK_ENV: "1"}
@@ -265,6 +312,8 @@ def test_a_second_process_reads_what_the_first_measured(tmp_path):
 MEASURE_WHILE_OTHERS_START = """
 import os, sys, time
 from engine.model import calibration_cache
+calibration_cache.kernel_files()  # built or found now, not between "go" and the lock
+calibration_cache.QUIET_OTHERS_CORES = float("inf")  # the sibling waiting on the lock is no load, but others may be
 print("READY", flush=True)
 sys.stdin.readline()
 def measure():
@@ -278,17 +327,21 @@ print("VALUE", found.value, "MEASURED", found.kept_in is None, "PID", os.getpid(
 def test_processes_that_start_together_measure_once_and_agree(tmp_path):
     env = {**os.environ, calibration_cache.ENV_SWITCH: "1", "LORAGW_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", MEASURE_WHILE_OTHERS_START], cwd=REPO, env=env, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(3)]
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(3)]
     try:
         for proc in procs:  # all imported, then all released at once
             assert proc.stdout.readline() == "READY\n"
         for proc in procs:
             proc.stdin.write("go\n")
             proc.stdin.flush()
-        reports = [proc.communicate(timeout=120)[0].split() for proc in procs]
+        outputs = [proc.communicate(timeout=120) for proc in procs]
     finally:
         for proc in procs:
             proc.kill()
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr
+    reports = [stdout.split() for stdout, _ in outputs]
     values = {report[1] for report in reports}
     measured = [report[5] for report in reports if report[3] == "True"]
     assert len(values) == 1 and len(measured) == 1 and values == set(measured)
