@@ -6,13 +6,15 @@ bundled model, `--dtype auto`, idle threads spinning as `loragw serve` has
 them) and reports the limits and the packing decision it logged. "off" times
 them in every process, as every start did before the cache; "on" starts from
 an empty cache folder, so its first start measures and keeps, and the later
-ones read. Reported per mode: the distinct values each calibration took over
-the starts, and the seconds from the start of the build to a ready engine.
+ones read. Reported per mode: each calibration's value at every start (the
+printout counts the distinct ones), how many entries each start read from
+the cache, and the seconds from importing the engine (torch included) to a
+ready one.
 
     python benchmarks/calibration_starts.py [--starts 5] [--out PATH]
 
-A start takes ~10 s on 2 cores once the model is converted and the kernels
-built (the first `make serve` does both).
+A start takes 7 to 8 s on 2 cores once the model is converted and the
+kernels built (the first `make serve` does both).
 """
 
 from __future__ import annotations

@@ -74,9 +74,10 @@ LOCK_WAIT_S = 60.0
 
 
 # A measurement is kept only if the rest of the host stayed this quiet while
-# it ran (the CPU other processes used, in cores on average): on 2 busy
-# cores the Q4_1 limit came out at 128 rows where an idle host gives 32, and
-# a kept figure outlives the neighbour that skewed it.
+# it ran (the CPU other processes used, in cores on average): beside the
+# test suite on 2 cores, packing came out off and the head's limit at 4 to
+# 256 rows, where idle starts had packing on and 8, and a kept figure
+# outlives the neighbour that skewed it.
 QUIET_OTHERS_CORES = 0.5
 # /proc/stat counts in ticks of 10 ms: over a window this long, what others
 # used reads to within about a tenth of a core on 2 cores.
