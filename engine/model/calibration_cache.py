@@ -121,7 +121,7 @@ def remembered(facts: Callable[[], dict], kind: type, measure: Callable[[], int 
         kept = read(path, key, kind) if usable else None
         if kept is not None:
             return Calibration(kept, path)
-        value, others = timed_quietly(measure)
+        value, others = timed_quietly(measure) if usable else (measure(), None)
         if usable and others is not None and others >= QUIET_OTHERS_CORES:
             log.info("not keeping the calibration for %s: other processes used %.1f cores while it was timed, "
                      "so the next process measures again", path, others)
@@ -201,7 +201,7 @@ def digest(facts: dict) -> str:
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu": native.cpu_fingerprint(),
-        "cores": len(os.sched_getaffinity(0)),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # macOS
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "").strip().upper(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
