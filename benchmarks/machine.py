@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import host_cpu
+
 
 def machine_facts() -> dict:
     return {
@@ -33,26 +35,13 @@ def load_average() -> list[float]:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return host_cpu.cpu_fields().get("model name") or platform.processor() or "unknown"
 
 
 def _busy_cpu_seconds() -> float | None:
     """Non-idle CPU seconds of the whole machine since boot (Linux only)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    ticks = host_cpu.busy_ticks()
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_seconds() -> float:

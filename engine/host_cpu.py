@@ -1,5 +1,8 @@
 """What the host CPU does natively, and how the engine's threads share it:
-the defaults that depend on the host.
+the defaults that depend on the host. And how busy its CPUs are, from
+/proc: a kernel calibration is kept only if it was timed while other
+processes left the cores alone (engine/model/calibration_cache.py), and
+the benchmarks report the load beside every figure (benchmarks/machine.py).
 
 `--dtype auto` picks bfloat16 on a CPU only where bfloat16 arithmetic is in
 the instruction set (AVX512-BF16 or AMX on x86, the BF16 extension on Arm),
@@ -124,3 +127,26 @@ def lower_priority(niceness: int, tasks: Path = Path("/proc/self/task")) -> None
             pass
         except OSError as exc:  # a sandbox that forbids it
             log.warning("could not lower the priority of the worker's thread %d: %s", tid, exc)
+
+
+def busy_ticks() -> int | None:
+    """Every CPU's busy ticks since boot (of os.sysconf("SC_CLK_TCK") a
+    second): user, nice, system, irq, softirq, and steal, which a
+    hypervisor gave to other guests. None where /proc is absent."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return user + nice + system + irq + softirq + steal
+
+
+def own_ticks() -> int | None:
+    """This process's user and system ticks, all its threads. None where
+    /proc is absent."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # past the command name, which may hold spaces
+        return int(fields[11]) + int(fields[12])  # utime and stime, the stat's 14th and 15th fields
+    except (OSError, ValueError, IndexError):
+        return None

@@ -71,6 +71,8 @@ def test_the_contracts_state_the_rules():
     assert one_way["layers"] == ["gateway", "migrations", "billing | engine", "adapters", "native"]
     # ...except that the meter reads the engine's published usage record.
     assert one_way["ignore_imports"] == ["billing.meter -> engine.step_io"]
+    limits = contracts["kernels-under-their-limits"]
+    assert limits["type"] == "layers" and limits["layers"] == ["engine.model.quant_limits", "engine.model.quant_linear"]
     no_torch = contracts["core-without-torch"]
     assert no_torch["type"] == "forbidden" and no_torch["forbidden_modules"] == ["torch"]
     assert CORE <= set(no_torch["source_modules"])

@@ -1,6 +1,6 @@
 """Kernel calibrations kept from one process to the next on a host.
 
-cpu_linear.py and quant_linear.py choose between a C++ kernel and oneDNN by
+cpu_linear.py and quant_limits.py choose between a C++ kernel and oneDNN by
 timing both when the model is built: a row limit per kernel, and whether
 oneDNN's packed weights pay. Where the two paths run close, noise decides:
 on a 2-core Zen 4 in bfloat16, six starts of `loragw serve` put the Q4_1
@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 import native
+from engine import host_cpu
 from engine.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ _MODEL = Path(__file__).parent
 # A change to the timing loops, their constants or the rules that read the
 # timings can move an answer as much as a new kernel can; so can native's,
 # which decide when a kernel call stays on the calling thread.
-DECIDING_CODE = (_MODEL / "cpu_linear.py", _MODEL / "quant_linear.py", Path(__file__),
-                 Path(native.__file__))
+DECIDING_CODE = (_MODEL / "cpu_linear.py", _MODEL / "quant_linear.py", _MODEL / "quant_limits.py",
+                 Path(__file__), Path(native.__file__))
 # Other users of a shared cache folder may read an entry (mkstemp makes it 0600).
 ENTRY_MODE = 0o644
 # A measurement takes a second or less; a holder that keeps the lock far
@@ -142,7 +143,7 @@ def timed_quietly(measure: Callable[[], int | bool]) -> tuple[int | bool, float 
 
 
 def sample() -> Sample:
-    return Sample(time.monotonic(), host_busy_ticks(), own_ticks())
+    return Sample(time.monotonic(), host_cpu.busy_ticks(), host_cpu.own_ticks())
 
 
 def others_cores(start: Sample, end: Sample, ticks_per_s: int) -> float | None:
@@ -151,27 +152,6 @@ def others_cores(start: Sample, end: Sample, ticks_per_s: int) -> float | None:
         return None
     others = (end.host_busy_ticks - start.host_busy_ticks) - (end.own_ticks - start.own_ticks)
     return max(0.0, others / ticks_per_s / max(end.seconds - start.seconds, 1e-9))
-
-
-def host_busy_ticks() -> int | None:
-    """Every CPU's busy ticks: user, nice, system, irq, softirq, and steal,
-    which a hypervisor gave to other guests."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
-    except (OSError, ValueError):
-        return None
-    return user + nice + system + irq + softirq + steal
-
-
-def own_ticks() -> int | None:
-    """This process's user and system ticks, all its threads."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # past the command name, which may hold spaces
-        return int(fields[11]) + int(fields[12])  # utime and stime, the stat's 14th and 15th fields
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def folder() -> Path:
@@ -217,7 +197,7 @@ def locked(path: Path, wait_s: float) -> Iterator[bool]:
     of waiting, and yields whether the folder can be used at all. One lock
     per entry, and no caller holds one while it asks for another: the float
     kernel's limit, which a quantized limit is timed against, is had before
-    that limit's lock is taken (quant_linear.float_paths), so no two
+    that limit's lock is taken (quant_limits.float_paths), so no two
     processes can each hold what the other waits for. A lock not had in
     time is logged, and the caller measures without it."""
     handle, usable = None, True

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.model import cpu_elementwise, cpu_linear, quant_linear, triton_elementwise
+from engine.model import cpu_elementwise, cpu_linear, quant_limits, quant_linear, triton_elementwise
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -115,8 +115,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
         if self.qweight is not None:
+            limit = quant_limits.weight_row_limit(self.qweight, x.dtype, beside_float=self.weight is not None)
             out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias, self.weight, self.cpu_linear,
-                                      self.packed)
+                                      self.packed, limit=limit)
         else:
             out = cpu_linear.linear(self.cpu_linear, x, self.weight, self.bias, self.packed)
         if self.lora_hook is not None:

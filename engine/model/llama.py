@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.model import cpu_elementwise, cpu_linear, quant_linear, triton_elementwise
+from engine.model import cpu_elementwise, cpu_linear, quant_limits, quant_linear, triton_elementwise
 from engine.model.layers import PackedLinear, RMSNorm, empty_param, load_param
 from engine.model.rope import RotaryEmbedding, apply_rotary, head_dim_of
 
@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         if self._cpu_linear is not None:
             cpu_linear.row_limit(dtype, torch.get_num_threads())
         if self._quant_kernel is not None and quantization != "auto":  # "auto": once it finds Q4_1
-            quant_linear.row_limit(dtype, torch.get_num_threads())
+            quant_limits.row_limit(dtype, torch.get_num_threads())
 
     def forward(
         self,
@@ -252,10 +252,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
             if self.lm_head_q is not None:
-                return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q).float()
+                limit = quant_limits.weight_row_limit(self.lm_head_q, hidden.dtype, beside_float=False)
+                return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q, limit=limit).float()
             if self.lm_head_stored is not None:
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_stored, None, self.lm_head,
-                                           self._cpu_linear, self.lm_head_packed, self.lm_head_stored_rows).float()
+                                           self._cpu_linear, self.lm_head_packed,
+                                           limit=self.lm_head_stored_rows).float()
             return cpu_linear.linear(self._cpu_linear, hidden, self.lm_head, None, self.lm_head_packed).float()
 
     # ---- weights -------------------------------------------------------
@@ -315,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
             self.use_int8_activations()
         if self.as_stored:  # the limit the Q4_1 calls use, measured now and only it, not in the first step
             first = next(iter(self.packed_linears().values()))
-            quant_linear.weight_row_limit(first.qweight, self.dtype, beside_float=True)
+            quant_limits.weight_row_limit(first.qweight, self.dtype, beside_float=True)
         self.pack_weights()
 
     def use_int8_activations(self) -> None:
@@ -347,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
             if self.lm_head is not None:
                 self.lm_head_packed = cpu_linear.pack(self.lm_head.data)
             if self.lm_head_stored is not None:
-                self.lm_head_stored_rows = quant_linear.head_row_limit(
+                self.lm_head_stored_rows = quant_limits.head_row_limit(
                     self._quant_kernel, self.lm_head_stored, self.lm_head.data, self._cpu_linear, self.lm_head_packed)
 
     def quantize(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model import cpu_linear, quant_linear
+from engine.model import cpu_linear, quant_limits
 
 
 @pytest.fixture
@@ -15,8 +15,8 @@ def kernel_rows(monkeypatch):
     def set_rows(value: str):
         monkeypatch.setenv(cpu_linear.ROWS_ENV, value)
         cpu_linear.row_limit.cache_clear()
-        quant_linear.row_limit.cache_clear()
+        quant_limits.row_limit.cache_clear()
 
     yield set_rows
     cpu_linear.row_limit.cache_clear()
-    quant_linear.row_limit.cache_clear()
+    quant_limits.row_limit.cache_clear()

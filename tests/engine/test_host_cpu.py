@@ -1,17 +1,20 @@
-"""`--dtype auto` follows what the CPU computes in natively."""
+"""`--dtype auto` follows what the CPU computes in natively; the engine's
+threads and priority; how busy the CPUs are."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.builder import resolve_dtype
-from engine.host_cpu import (ENV_SWITCH, GPU_HOST_THREADS, cpu_fields, cpu_flags, default_thread_wait_policy,
-                             engine_threads, has_native_bfloat16)
+from engine.host_cpu import (ENV_SWITCH, GPU_HOST_THREADS, busy_ticks, cpu_fields, cpu_flags,
+                             default_thread_wait_policy, engine_threads, has_native_bfloat16, own_ticks)
 
 CPU = torch.device("cpu")
 
@@ -135,3 +138,20 @@ def test_a_supervised_worker_lowers_its_priority_on_the_cpu_only(monkeypatch, de
     config = msgspec.json.encode(EngineConfig.from_flat(device=device)).decode()
     assert worker.main(["--listen", "ipc:///tmp/unused.sock", "--config-json", config, "--niceness", "5"]) == 0
     assert calls == lowered
+
+
+def test_the_cpu_time_readers_count_this_process_work():
+    """0.3 s of this process's CPU shows in its own ticks, and in the host's
+    busy ticks, which hold everyone's (to within the two counters' own
+    rounding: they are sampled at the tick, each on its own)."""
+    if busy_ticks() is None or own_ticks() is None:
+        pytest.skip("the host does not report CPU time (/proc)")
+    tick = os.sysconf("SC_CLK_TCK")
+    busy0, own0 = busy_ticks(), own_ticks()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    own, busy = own_ticks() - own0, busy_ticks() - busy0
+    assert own >= 0.2 * tick  # not more: the process's other threads count too
+    assert busy >= own - 3
+

@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError, ValidationError
-from engine.model import cpu_linear, quant_linear
+from engine.model import cpu_linear, quant_limits, quant_linear
 from tests.adapters.conftest import ALL_MODULES, build_peft_adapter, peft_greedy
 from tests.engine.model.quant_reference import naive_weight
 
@@ -98,13 +98,13 @@ def test_auto_reads_a_q4_1_checkpoint_as_stored_and_changes_nothing(tiny_llama_d
         monkeypatch.setattr(cls, "run_kernel", lambda self, k, x, bias, out, calls=calls, run=cls.run_kernel:
                             calls.append(x.shape[0]) or run(self, k, x, bias, out))
     llm = LLM(str(q4_dir), data_dir=str(tmp_path / "registry"), max_loras=2, max_lora_rank=8)  # the default: auto
-    limits_at_load = quant_linear.row_limit.cache_info().currsize
+    limits_at_load = quant_limits.row_limit.cache_info().currsize
     llm.adapters.import_dir("a", adapter_dir)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = llm.generate([p for p, _ in requests], params, adapters=[a for _, a in requests])
     assert [o.outputs[0].token_ids for o in outs] == expected
     # The steps read the limits that loading measured: none is measured in a step.
-    assert quant_linear.row_limit.cache_info().currsize == limits_at_load
+    assert quant_limits.row_limit.cache_info().currsize == limits_at_load
     model = llm.engine.core.runner.model
     assert model.as_stored and model.lm_head_q is None and model.lm_head_stored is not None
     assert model.lm_head.dtype == model.dtype

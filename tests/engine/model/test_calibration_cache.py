@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import calibration_cache, cpu_linear, quant_linear
+from engine import host_cpu
+from engine.model import calibration_cache, cpu_linear, quant_limits, quant_linear
 
 REPO = Path(__file__).parents[3]
 
@@ -35,7 +36,7 @@ def kept(monkeypatch, tmp_path):
     def clear():
         cpu_linear.row_limit.cache_clear()
         cpu_linear.packing_pays.cache_clear()
-        quant_linear.row_limit.cache_clear()
+        quant_limits.row_limit.cache_clear()
 
     clear()
     yield tmp_path / "cache" / "calibration"
@@ -160,14 +161,14 @@ def test_what_others_used_is_the_host_busy_time_less_this_process(kept):
     assert calibration_cache.others_cores(start, end, 100) == pytest.approx(1.0)
     assert calibration_cache.others_cores(start, end._replace(host_busy_ticks=1_020), 100) == 0.0  # tick rounding
     assert calibration_cache.others_cores(start, end._replace(host_busy_ticks=None), 100) is None
-    own = calibration_cache.own_ticks()
+    own = host_cpu.own_ticks()
     assert own is None or (isinstance(own, int) and own >= 0)
 
 
 def test_a_measurement_beside_a_busy_process_is_used_and_not_kept(kept, monkeypatch, caplog):
     monkeypatch.setattr(calibration_cache, "QUIET_OTHERS_CORES", 0.5)
     monkeypatch.setattr(calibration_cache, "MIN_WINDOW_S", 0.25)
-    if calibration_cache.host_busy_ticks() is None or calibration_cache.own_ticks() is None:
+    if host_cpu.busy_ticks() is None or host_cpu.own_ticks() is None:
         pytest.skip("the host does not report CPU time (/proc)")
 
     def measure_beside_a_spinning_process():
@@ -179,7 +180,7 @@ def test_a_measurement_beside_a_busy_process_is_used_and_not_kept(kept, monkeypa
         assert calibration_cache.remembered(lambda: FACTS, int, measure_beside_a_spinning_process) == (8, None)
     assert "not keeping the calibration" in caplog.text and not list(kept.glob("*.json"))
     monkeypatch.setattr(calibration_cache, "QUIET_OTHERS_CORES", float("inf"))
-    monkeypatch.setattr(calibration_cache, "host_busy_ticks", lambda: None)  # a host without /proc: kept
+    monkeypatch.setattr(host_cpu, "busy_ticks", lambda: None)  # a host without /proc: kept
     measure, _ = counting(16)
     assert calibration_cache.remembered(lambda: FACTS, int, measure) == (16, None)
     assert json.loads(next(kept.glob("*.json")).read_text())["others_cores"] is None
@@ -266,14 +267,14 @@ def test_the_limits_of_other_kernels_and_options_are_kept_apart(kept, monkeypatc
 
     def limits():
         cpu_linear.row_limit.cache_clear()
-        quant_linear.row_limit.cache_clear()
-        monkeypatch.setattr(quant_linear, "_head_limits", {})
+        quant_limits.row_limit.cache_clear()
+        monkeypatch.setattr(quant_limits, "_head_limits", {})
         for fmt in ("int4", "q8_0"):
             for int8 in (False, True):
-                quant_linear.row_limit(torch.float32, threads, beside_float=fmt, int8_activations=int8)
+                quant_limits.row_limit(torch.float32, threads, beside_float=fmt, int8_activations=int8)
         for int8 in (False, True):
             head.int8_activations = int8
-            quant_linear.head_row_limit(quant_linear.load_kernel(), head, float_head, cpu_linear.load_kernel())
+            quant_limits.head_row_limit(quant_linear.load_kernel(), head, float_head, cpu_linear.load_kernel())
 
     limits()
     entries = {path.name: json.loads(path.read_text())["facts"] for path in kept.glob("*.json")}

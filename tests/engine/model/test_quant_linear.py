@@ -2,7 +2,8 @@
 reference that decodes every weight element by element from the stored
 bytes (quant_reference.py), over SmolLM2-135M's shapes and skewed row
 counts. The quantizers themselves: test_quantizers.py; float32
-activations rounded to int8: test_quant_linear_int8_activations.py."""
+activations rounded to int8: test_quant_linear_int8_activations.py; the
+kernels' row limits: test_quant_limits.py."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def kernel():
 
 @pytest.fixture(autouse=True)
 def every_row_count_offered_to_the_kernel(kernel_rows):
-    """The kernel's calibrated limit depends on the host; these tests reach
-    it at every row count they use."""
+    """The kernels' calibrated limits depend on the host; these tests reach
+    them at every row count they use (the float kernel's, and the LM head's
+    unless a test sets its own)."""
     kernel_rows("1024")
 
 
@@ -87,7 +89,7 @@ def test_bias_and_strided_rows(kernel, fmt, dtype, rows):
     x = torch.randn(rows, 200, generator=gen).to(dtype)[:, 7:103]  # rows 200 apart
     bias = torch.randn(80, generator=gen).to(dtype)
     rec = recording(kernel, KERNELS[fmt])
-    got = quant_linear.linear(rec, x, qw, bias)
+    got = quant_linear.linear(rec, x, qw, bias, limit=rows)
     assert rec.handled == [True]
     expected = x.double() @ naive_weight(qw).T + bias.double()
     torch.testing.assert_close(got.double(), expected, **TOLERANCE[dtype])
@@ -302,7 +304,7 @@ def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
     qw = quant_linear.quantize_int8(w)
     x = torch.randn(3, k).to(torch.float16 if case == "float16" else torch.float32)
     rec = recording(kernel, "int8_linear")
-    got = quant_linear.linear(rec, x, qw)
+    got = quant_linear.linear(rec, x, qw, limit=3)  # offered to the kernel, which declines
     assert rec.handled == [False]
     assert torch.equal(got, quant_linear.twin(x, qw))
 
@@ -325,65 +327,6 @@ def test_a_limit_given_to_linear_decides_which_path_a_call_takes(kernel):
         got = quant_linear.linear(rec, x, qw, None, weight, None, None, limit=2)
         assert rec.handled == handled
         torch.testing.assert_close(got.double(), x.double() @ naive_weight(qw).T, **TOLERANCE[torch.float32])
-
-
-def test_the_head_limit_is_measured_on_the_head_once_a_process(kernel, kernel_rows, monkeypatch):
-    """Timed on the head's own shape (not the layers' calibration shape),
-    one streamed copy, at most 256 rows, by the real paths; cached by
-    format, shape, dtype and threads; the environment's limit wins."""
-    monkeypatch.delenv(quant_linear.cpu_linear.ROWS_ENV)
-    monkeypatch.setattr(quant_linear, "_head_limits", {})
-    qws, gen = quantized_weights((300, HIDDEN), seed=9)
-    head, float_head = qws["q8_0"], qws["q8_0"].dequantize(torch.float32)
-    seen = []
-    real = quant_linear.cpu_linear.calibrated_limit
-
-    def calibrated(what, dtype, threads, run_kernel, run_torch, **kw):
-        seen.append(kw)
-        x, out = torch.randn(3, HIDDEN, generator=gen), torch.empty(3, kw["shape"][0])
-        run_kernel(x, out, 0)
-        torch.testing.assert_close(out, run_torch(x, 0), **TOLERANCE[torch.float32])
-        return real(what, dtype, threads, run_kernel, run_torch, **kw)
-
-    monkeypatch.setattr(quant_linear.cpu_linear, "calibrated_limit", calibrated)
-    limit = quant_linear.head_row_limit(kernel, head, float_head)
-    assert limit in (0, *quant_linear.HEAD_CALIBRATION_ROWS) and max(quant_linear.HEAD_CALIBRATION_ROWS) == 256
-    assert len(seen) == 1 and seen[0]["shape"] == (300, HIDDEN) and seen[0]["rows"] == quant_linear.HEAD_CALIBRATION_ROWS
-    assert seen[0]["copies"](1) == seen[0]["copies"](256) == 1
-    assert quant_linear.head_row_limit(kernel, head, float_head) == limit and len(seen) == 1
-    other = quantized_weights((200, HIDDEN), seed=10)[0]["q8_0"]
-    quant_linear.head_row_limit(kernel, other, other.dequantize(torch.float32))
-    assert len(seen) == 2 and seen[1]["shape"] == (200, HIDDEN)
-    kernel_rows("7")
-    assert quant_linear.head_row_limit(kernel, head, float_head) == 7 and len(seen) == 2
-    assert quant_linear.head_row_limit(None, head, float_head) == 0
-
-
-@pytest.mark.parametrize("fmt", ["int4", "q8_0"])
-def test_a_layer_limit_beside_float_weights_is_measured_up_to_128_rows(kernel, fmt, monkeypatch):
-    """Past 128 rows a layer's call is prompt work, left to the float GEMM
-    (LAYER_CALIBRATION_ROWS says why); the measurement never tries more, by
-    the real paths on the calibration shape."""
-    monkeypatch.delenv(quant_linear.cpu_linear.ROWS_ENV)
-    seen = []
-    real = quant_linear.cpu_linear.calibrated_limit
-
-    def calibrated(what, dtype, threads, run_kernel, run_torch, **kw):
-        if "beside float weights" not in what:  # the float path's own kernel limit
-            return real(what, dtype, threads, run_kernel, run_torch, **kw)
-        seen.append(kw)
-        x = torch.randn(3, HIDDEN)
-        out = torch.empty(3, quant_linear.cpu_linear.CALIBRATION_SHAPE[0])
-        run_kernel(x, out, 0)
-        ref = run_torch(x, 0)  # the float weights the quantized ones round
-        assert ((out - ref).norm() / ref.norm()).item() < 0.1
-        return real(what, dtype, threads, run_kernel, run_torch, rows=(1,))
-
-    monkeypatch.setattr(quant_linear.cpu_linear, "calibrated_limit", calibrated)
-    limit = quant_linear.row_limit.__wrapped__(torch.float32, torch.get_num_threads(), beside_float=fmt)
-    assert limit in (0, 1)
-    assert len(seen) == 1 and seen[0]["rows"] == quant_linear.LAYER_CALIBRATION_ROWS
-    assert max(quant_linear.LAYER_CALIBRATION_ROWS) == 128 and 1 in quant_linear.LAYER_CALIBRATION_ROWS
 
 
 @pytest.mark.parametrize("fmt", ["int4", "q8_0"])  # the blocked formats (int8's quantizer wants K > 0)
