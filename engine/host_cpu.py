@@ -129,23 +129,23 @@ def lower_priority(niceness: int, tasks: Path = Path("/proc/self/task")) -> None
             log.warning("could not lower the priority of the worker's thread %d: %s", tid, exc)
 
 
-def busy_ticks() -> int | None:
+def busy_ticks(stat: Path = Path("/proc/stat")) -> int | None:
     """Every CPU's busy ticks since boot (of os.sysconf("SC_CLK_TCK") a
     second): user, nice, system, irq, softirq, and steal, which a
     hypervisor gave to other guests. None where /proc is absent."""
     try:
-        with open("/proc/stat") as f:
+        with open(stat) as f:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
     except (OSError, ValueError):
         return None
     return user + nice + system + irq + softirq + steal
 
 
-def own_ticks() -> int | None:
+def own_ticks(stat: Path = Path("/proc/self/stat")) -> int | None:
     """This process's user and system ticks, all its threads. None where
     /proc is absent."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(stat) as f:
             fields = f.read().rsplit(")", 1)[1].split()  # past the command name, which may hold spaces
         return int(fields[11]) + int(fields[12])  # utime and stime, the stat's 14th and 15th fields
     except (OSError, ValueError, IndexError):

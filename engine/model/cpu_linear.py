@@ -28,7 +28,7 @@ when the model is built), 0 where torch wins from the start, or set
 outright by LORAGW_CPU_LINEAR_MAX_ROWS. The first process on a host to
 measure it keeps it for the later ones (calibration_cache.py), so that a
 near-tie does not fall one way in one process and the other way in the
-next. The quantized kernels (quant_linear.py) calibrate theirs the same way.
+next. The quantized kernels' limits (quant_limits.py) are measured the same way.
 
 Numerics: the sum runs in a different order than torch's GEMM, so results
 match it to float32 rounding, not bit for bit.

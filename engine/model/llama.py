@@ -252,7 +252,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
             if self.lm_head_q is not None:
-                limit = quant_limits.weight_row_limit(self.lm_head_q, hidden.dtype, beside_float=False)
+                limit = (0 if self._quant_kernel is None
+                         else quant_limits.weight_row_limit(self.lm_head_q, hidden.dtype, beside_float=False))
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q, limit=limit).float()
             if self.lm_head_stored is not None:
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_stored, None, self.lm_head,

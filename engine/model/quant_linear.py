@@ -20,31 +20,31 @@ Formats (both quantized from the float32 checkpoint when the model loads):
 The C++ kernel (engine/csrc/quant_linear.cpp) is cpu_linear's skinny kernel
 with a dequantizing weight load; it takes up to the rows that
 engine/model/quant_limits.py measures against the twin when the model is
-built, and keeps for the host, as the float kernel's. Q4_1 and Q8_0 with bfloat16 activations on a CPU with AVX512-BF16
-go another way: each thread dequantizes a tile of weight rows once, to
-bfloat16, and multiplies every token row by it with bfloat16 dot products,
-which carries it past the few rows of a decode step (32 rows on a 2-core
-Intel Xeon, against 8). With float32 activations on AVX2 (no AVX-512) they
-take a blocked path: a block's 32 weights widened at once, each row's sum
-scaled by the block's d once and m taken out of the sum, which made a
-one-row call about 3x faster there (docs/engine.md). Float32 Q4_1 on any
-AVX2 host, AVX-512 ones included, goes further and reads a copy of its rows
-interleaved 8 at a time (`Q41Weight.interleaved`, made on the first call),
-so that lanes run over weight rows and each token row pays one multiply-add
-per 8 weights, or per 16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1
-to 16 rows on a 2-core Zen 3, 1.1-2.1x on a 2-core Zen 5); calls of 17 rows
-or more on AVX2 and Zen 4, 9 or more on other AVX-512 hosts, dequantize it
-to a float32 panel per thread instead, bit for bit the same sums (1.2-1.3x
-faster at 17 to 128 rows on the Zen 3; on a 2-core Intel Xeon 0.96-1.12x at
-9 to 16 rows, 1.16-1.29x at 17 to 128). With float32 activations on AVX-512,
-other calls of more than 4 rows widen each tile of weight rows once per
-thread, into float32, and run the widening loop's sums over it, bit for bit
-(26-41% faster at 32-64 rows on a 2-core Intel Xeon). Larger calls (long
-prefill chunks), other devices (a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take
-the torch twin: dequantize the weight for the call, then F.linear. No float
-copy is kept, so memory holds the quantized weights only;
-`benchmarks/quant_linear.py` measures what the per-call dequantization costs
-a long chunk.
+built, and keeps for the host, as the float kernel's. Q4_1 and Q8_0 with
+bfloat16 activations on a CPU with AVX512-BF16 go another way: each thread
+dequantizes a tile of weight rows once, to bfloat16, and multiplies every
+token row by it with bfloat16 dot products, which carries it past the few
+rows of a decode step (32 rows on a 2-core Intel Xeon, against 8). With
+float32 activations on AVX2 (no AVX-512) they take a blocked path: a block's
+32 weights widened at once, each row's sum scaled by the block's d once and
+m taken out of the sum, which made a one-row call about 3x faster there
+(docs/engine.md). Float32 Q4_1 on any AVX2 host, AVX-512 ones included, goes
+further and reads a copy of its rows interleaved 8 at a time
+(`Q41Weight.interleaved`, made on the first call), so that lanes run over
+weight rows and each token row pays one multiply-add per 8 weights, or per
+16 with AVX-512 (a layer's calls 1.2-1.6x faster at 1 to 16 rows on a 2-core
+Zen 3, 1.1-2.1x on a 2-core Zen 5); calls of 17 rows or more on AVX2 and Zen
+4, 9 or more on other AVX-512 hosts, dequantize it to a float32 panel per
+thread instead, bit for bit the same sums (1.2-1.3x faster at 17 to 128 rows
+on the Zen 3; on a 2-core Intel Xeon 0.96-1.12x at 9 to 16 rows, 1.16-1.29x
+at 17 to 128). With float32 activations on AVX-512, other calls of more than
+4 rows widen each tile of weight rows once per thread, into float32, and run
+the widening loop's sums over it, bit for bit (26-41% faster at 32-64 rows
+on a 2-core Intel Xeon). Larger calls (long prefill chunks), other devices
+(a GPU) and LORAGW_CPU_LINEAR_KERNEL=0 take the torch twin: dequantize the
+weight for the call, then F.linear. No float copy is kept, so memory holds
+the quantized weights only; `benchmarks/quant_linear.py` measures what the
+per-call dequantization costs a long chunk.
 
 With activation quantization int8 (opt-in, float32, any AVX2 host), the
 Q4_1 and Q8_0 kernel calls round each token row's block of 32 activations

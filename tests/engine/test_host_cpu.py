@@ -140,18 +140,32 @@ def test_a_supervised_worker_lowers_its_priority_on_the_cpu_only(monkeypatch, de
     assert calls == lowered
 
 
+def test_the_cpu_time_readers_sum_the_busy_fields(tmp_path):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 2 30 5000 70 4 5 6 0 0\ncpu0 50 1 15 2500 35 2 2 3 0 0\n")
+    assert busy_ticks(stat) == 100 + 2 + 30 + 4 + 5 + 6  # not idle, not iowait
+    own = tmp_path / "self-stat"
+    # The command name may hold spaces and parentheses; utime and stime are the 14th and 15th fields.
+    own.write_text("4242 (a (b) c) S 1 4242 4242 0 -1 4194304 10 0 0 0 17 3 0 0 20 0 9 0 55 0 0\n")
+    assert own_ticks(own) == 17 + 3
+    for reader, damaged in ((busy_ticks, "cpu  1 2\n"), (own_ticks, "4242 (x) S 1\n")):
+        stat.write_text(damaged)
+        assert reader(stat) is None
+    assert busy_ticks(tmp_path / "absent") is None and own_ticks(tmp_path / "absent") is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the host has no /proc")
 def test_the_cpu_time_readers_count_this_process_work():
     """0.3 s of this process's CPU shows in its own ticks, and in the host's
     busy ticks, which hold everyone's (to within the two counters' own
     rounding: they are sampled at the tick, each on its own)."""
-    if busy_ticks() is None or own_ticks() is None:
-        pytest.skip("the host does not report CPU time (/proc)")
     tick = os.sysconf("SC_CLK_TCK")
     busy0, own0 = busy_ticks(), own_ticks()
+    assert busy0 is not None and own0 is not None
     end = time.process_time() + 0.3
     while time.process_time() < end:
         pass
     own, busy = own_ticks() - own0, busy_ticks() - busy0
     assert own >= 0.2 * tick  # not more: the process's other threads count too
     assert busy >= own - 3
-

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import native
 from engine import host_cpu
 from engine.model import calibration_cache, cpu_linear, quant_limits, quant_linear
 
@@ -112,6 +113,15 @@ def test_a_changed_input_measures_again(kept, monkeypatch, tmp_path, change):
         monkeypatch.delenv("OMP_WAIT_POLICY")
     assert calibration_cache.remembered(lambda: FACTS, int, measure) == (16, None)
     assert calibration_cache.remembered(lambda: FACTS, int, measure).kept_in is not None and len(calls) == 2
+
+
+def test_the_deciding_code_is_the_modules_that_time_and_decide():
+    """A file renamed or moved away would make every key fail to build, and
+    then nothing would be kept on any host (logged, never raised)."""
+    assert all(path.is_file() for path in calibration_cache.DECIDING_CODE)
+    assert {path.name for path in calibration_cache.DECIDING_CODE} == {
+        "cpu_linear.py", "quant_linear.py", "quant_limits.py", "calibration_cache.py", "__init__.py"}
+    assert Path(native.__file__) in calibration_cache.DECIDING_CODE
 
 
 def test_the_key_stands_for_the_compiled_kernels(kept):

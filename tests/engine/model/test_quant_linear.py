@@ -29,14 +29,6 @@ def kernel():
     return built_or_skip(quant_linear.load_kernel, "CPU quantized linear kernel")
 
 
-@pytest.fixture(autouse=True)
-def every_row_count_offered_to_the_kernel(kernel_rows):
-    """The kernels' calibrated limits depend on the host; these tests reach
-    them at every row count they use (the float kernel's, and the LM head's
-    unless a test sets its own)."""
-    kernel_rows("1024")
-
-
 def _cancelling_rows(x: torch.Tensor) -> torch.Tensor:
     """x with a large first block that its second negates: against weights of
     twin blocks the two cancel, and what is left of a sum is mostly the
