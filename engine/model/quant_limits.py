@@ -108,13 +108,13 @@ _head_limits: dict[tuple, int] = {}  # measured or kept; LORAGW_CPU_LINEAR_MAX_R
 
 def head_row_limit(kernel, head: QuantizedWeight, float_head: torch.Tensor, float_kernel=None,
                    float_packed: torch.Tensor | None = None) -> int:
-    """The most rows for which the kernel multiplies by an LM head kept
-    beside its float weights (quantization "auto", a Q8_0 head), measured on
-    that head against the float path (`linear`'s arguments), once a host
-    for its format, shape, dtype and thread count (`calibrated_limit`).
-    The layers' calibration shape does not stand for it: on 2 Zen 4 cores the Q8_0 kernel beat
-    oneDNN's packed bfloat16 product on the 1536 x 576 shape at 32 rows, and
-    lost to it by 14-17% on the 49152 x 576 head from 16 rows
+    """The most rows for which the kernel multiplies by an LM head kept beside
+    its float weights (quantization "auto", a Q8_0 head), measured on that
+    head against the float path (quant_linear.linear's arguments), once a host
+    for its format, shape, dtype and thread count (`calibrated_limit`). The
+    layers' calibration shape does not stand for it: on 2 Zen 4 cores the Q8_0
+    kernel beat oneDNN's packed bfloat16 product on the 1536 x 576 shape at 32
+    rows, and lost to it by 14-17% on the 49152 x 576 head from 16 rows
     (benchmarks/quant_linear.py). One copy is timed: the head alone is more
     than a host's last-level cache, so it streams from memory as in a step."""
     if kernel is None:

@@ -106,7 +106,7 @@ def test_auto_reads_a_q4_1_checkpoint_as_stored_and_changes_nothing(tiny_llama_d
                         float_calls.append(x.shape[0]) or run(kernel, x, *args))
     llm = LLM(str(q4_dir), data_dir=str(tmp_path / "registry"), max_loras=2, max_lora_rank=8)  # the default: auto
     limits_at_load = quant_limits.row_limit.cache_info().currsize
-    float_calls.clear()  # loading's own calibration calls
+    float_calls.clear()  # loading's own (timing whether packed weights pay)
     llm.adapters.import_dir("a", adapter_dir)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = llm.generate([p for p, _ in requests], params, adapters=[a for _, a in requests])

@@ -18,9 +18,10 @@ def kernel():
 
 
 @pytest.fixture(autouse=True)
-def no_rows_set(kernel_rows):
-    """Clears the limits cached in this process on the way in and out; each
-    test then takes LORAGW_CPU_LINEAR_MAX_ROWS off or sets its own."""
+def limits_cleared(kernel_rows):
+    """Clears the limits cached in this process on the way in and out (the
+    fixture sets LORAGW_CPU_LINEAR_MAX_ROWS too; each test takes it off or
+    sets its own)."""
     kernel_rows("1024")
 
 
