@@ -115,9 +115,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(sizes)]
         if self.qweight is not None:
-            # No kernel (a GPU, LORAGW_CPU_LINEAR_KERNEL=0): no limit to measure, every call takes the float path.
-            limit = (0 if self.quant_kernel is None
-                     else quant_limits.weight_row_limit(self.qweight, x.dtype, beside_float=self.weight is not None))
+            limit = quant_limits.weight_row_limit(self.quant_kernel, self.qweight, x.dtype,
+                                                  beside_float=self.weight is not None)
             out = quant_linear.linear(self.quant_kernel, x, self.qweight, self.bias, self.weight, self.cpu_linear,
                                       self.packed, limit=limit)
         else:

@@ -252,8 +252,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         with torch.inference_mode():
             if self.lm_head_q is not None:
-                limit = (0 if self._quant_kernel is None
-                         else quant_limits.weight_row_limit(self.lm_head_q, hidden.dtype, beside_float=False))
+                limit = quant_limits.weight_row_limit(self._quant_kernel, self.lm_head_q, hidden.dtype,
+                                                      beside_float=False)
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_q, limit=limit).float()
             if self.lm_head_stored is not None:
                 return quant_linear.linear(self._quant_kernel, hidden, self.lm_head_stored, None, self.lm_head,
@@ -318,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
             self.use_int8_activations()
         if self.as_stored:  # the limit the Q4_1 calls use, measured now and only it, not in the first step
             first = next(iter(self.packed_linears().values()))
-            quant_limits.weight_row_limit(first.qweight, self.dtype, beside_float=True)
+            quant_limits.weight_row_limit(self._quant_kernel, first.qweight, self.dtype, beside_float=True)
         self.pack_weights()
 
     def use_int8_activations(self) -> None:

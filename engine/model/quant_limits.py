@@ -22,11 +22,16 @@ from engine.model import cpu_linear, quant_linear
 from engine.model.quant_linear import Int8Weight, Q41Weight, Q80Weight, QuantizedWeight, quantize, quantize_int8, twin
 
 
-def weight_row_limit(weight: QuantizedWeight, dtype: torch.dtype, *, beside_float: bool) -> int:
-    """`row_limit` for `weight`'s calls (`beside_float`: it has float weights
-    beside it, quantization "auto"). The one place that builds that call:
-    functools.cache keys on its keywords as given, so the model measures a
-    limit at load through here and its steps find it cached."""
+def weight_row_limit(kernel, weight: QuantizedWeight, dtype: torch.dtype, *, beside_float: bool) -> int:
+    """`row_limit` for `weight`'s calls through `kernel` (`beside_float`: it
+    has float weights beside it, quantization "auto"); 0 where there is no
+    kernel (a GPU, LORAGW_CPU_LINEAR_KERNEL=0): every call takes the float
+    path, and nothing is measured or built. The one place that builds the
+    `row_limit` call: functools.cache keys on its keywords as given, so the
+    model measures a limit at load through here and its steps find it
+    cached."""
+    if kernel is None:
+        return 0
     threads = torch.get_num_threads()
     if not beside_float:
         return row_limit(dtype, threads)

@@ -83,3 +83,13 @@ def test_a_layer_limit_beside_float_weights_is_measured_up_to_128_rows(kernel, f
     assert limit in (0, 1)
     assert len(seen) == 1 and seen[0]["rows"] == quant_limits.LAYER_CALIBRATION_ROWS
     assert max(quant_limits.LAYER_CALIBRATION_ROWS) == 128 and 1 in quant_limits.LAYER_CALIBRATION_ROWS
+
+
+@pytest.mark.parametrize("beside_float", [False, True])
+def test_without_a_kernel_no_limit_is_measured(beside_float, monkeypatch):
+    """A GPU model, or LORAGW_CPU_LINEAR_KERNEL=0: every call takes the float
+    path, so nothing is timed, and the CPU kernel is not built for it."""
+    monkeypatch.setattr(quant_linear, "load_kernel", lambda: pytest.fail("the CPU kernel was asked for"))
+    weight = quantized_weights((64, HIDDEN), seed=3)[0]["int4"]
+    assert quant_limits.weight_row_limit(None, weight, torch.float32, beside_float=beside_float) == 0
+    assert quant_limits.row_limit.cache_info().currsize == 0
