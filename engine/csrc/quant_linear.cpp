@@ -1393,11 +1393,12 @@ bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& 
 // The calls that stay on the calling thread: fewer multiply-adds than
 // `tiles` on the bfloat16 dot-product tiles, than `widening` on a path that
 // widens each weight in software, whose multiply-adds take about twice as
-// long (engine/model/quant_linear.py: where idle threads sleep, waking one
-// costs more than it saves there). Only this build knows which path a call
-// takes, so the limit is chosen here.
+// long, than `amx` on the tiles' AMX path, counted over the token rows
+// padded to whole 16-row tiles (engine/model/quant_linear.py: where idle
+// threads sleep, waking one costs more than it saves there). Only this
+// build knows which path a call takes, so the limit is chosen here.
 struct SerialMacs {
-  int64_t tiles, widening;
+  int64_t tiles, widening, amx;
 };
 
 // out [M, N] and bias [N] against x [M, K] and the weight's n rows.
@@ -1411,6 +1412,25 @@ void check_out_and_bias(const torch::Tensor& x, int64_t n, const c10::optional<t
 int64_t widening_min_rows(int64_t macs, SerialMacs serial) {
   return macs < serial.widening ? kOneThread : kMinRows;
 }
+
+// `min_rows` for the bfloat16 tiles of m token rows against n weight rows
+// of k. On AMX a tile multiply-add takes 16 token rows whatever the call
+// has, and dequantizing the weights, which every call does once whatever
+// its rows, costs more than on the vector path: on a 2-core Intel Xeon
+// (Emerald Rapids) the vector path's limit kept a one-row call on the
+// 1,536 x 576 gate weight on one thread, 134 us against 94 on two
+// (docs/engine.md, "On AMX, calls of few rows on both threads").
+#ifdef __AVX512BF16__
+int64_t tiles_min_rows(int64_t m, int64_t n, int64_t k, SerialMacs serial) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_ready()) {
+    const int64_t padded = (m + kAmxTokens - 1) / kAmxTokens * kAmxTokens;
+    return padded * n * k < serial.amx ? kOneThread : kMinRows;
+  }
+#endif
+  return m * n * k < serial.tiles ? kOneThread : kMinRows;
+}
+#endif
 
 // `int8_activations`: float32 activations rounded to int8 (int8_blocks),
 // for the blocked formats where this build has that path; the caller asks
@@ -1452,7 +1472,7 @@ void dispatch(const torch::Tensor& x, const Rows& rows, int64_t n, const c10::op
 #ifdef __AVX512BF16__
     if constexpr (!std::is_same_v<Rows, Int8Rows>) {  // the blocked formats
       bf16_tiles(x.data_ptr<bf16>(), x.stride(0), x.size(0), rows, n, x.size(1), out.data_ptr<bf16>(),
-                 out.stride(0), macs < serial.tiles ? kOneThread : kMinRows);
+                 out.stride(0), tiles_min_rows(x.size(0), n, x.size(1), serial));
       if (bias.has_value()) out.add_(*bias);  // rounded twice, as the loop above
       return;
     }
@@ -1484,14 +1504,14 @@ bool int8_activations_ok(const torch::Tensor& x, bool int8_activations) {
 // does not take, so the caller uses the torch twin.
 bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t serial_macs_tiles,
-                 int64_t serial_macs_widening) {
+                 int64_t serial_macs_widening, int64_t serial_macs_amx) {
   if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       scale.scalar_type() != at::kFloat || !scale.is_contiguous())
     return false;
   TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1) && scale.numel() == q.size(0),
               "int8_linear: x ", x.sizes(), ", q ", q.sizes(), ", scale ", scale.sizes());
   dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out,
-           SerialMacs{serial_macs_tiles, serial_macs_widening});
+           SerialMacs{serial_macs_tiles, serial_macs_widening, serial_macs_amx});
   return true;
 }
 
@@ -1538,12 +1558,13 @@ std::vector<torch::Tensor> q4_1_interleave(const torch::Tensor& q, const torch::
 // activations take where q4_1_interleaves(); none, or empty, elsewhere.
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
-                 int64_t serial_macs_tiles, int64_t serial_macs_widening,
+                 int64_t serial_macs_tiles, int64_t serial_macs_widening, int64_t serial_macs_amx,
                  const std::vector<torch::Tensor>& interleaved) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
   const int64_t k = x.size(1);
+  const SerialMacs serial{serial_macs_tiles, serial_macs_widening, serial_macs_amx};
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
@@ -1563,12 +1584,12 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
     interleaved_f32(x.data_ptr<float>(), x.stride(0), x.size(0),
                     Q41Interleaved{nib.data_ptr<uint8_t>(), dmi.data_ptr<c10::Half>(), blocks}, n, k,
                     bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0),
-                    widening_min_rows(x.size(0) * n * k, SerialMacs{serial_macs_tiles, serial_macs_widening}));
+                    widening_min_rows(x.size(0) * n * k, serial));
     return true;
   }
 #endif
-  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out,
-           SerialMacs{serial_macs_tiles, serial_macs_widening}, int8_activations);
+  dispatch(x, Q41Rows{q.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), k}, q.size(0), bias, out, serial,
+           int8_activations);
   return true;
 }
 
@@ -1576,7 +1597,7 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 // float16, bias [N] or none, out [M, N] in x's dtype.
 bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
-                 int64_t serial_macs_tiles, int64_t serial_macs_widening) {
+                 int64_t serial_macs_tiles, int64_t serial_macs_widening, int64_t serial_macs_amx) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       d.scalar_type() != at::kHalf || !d.is_contiguous())
     return false;
@@ -1584,7 +1605,7 @@ bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) == k && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) * kBlock == k,
               "q8_0_linear: x ", x.sizes(), ", q ", q.sizes(), ", d ", d.sizes());
   dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out,
-           SerialMacs{serial_macs_tiles, serial_macs_widening}, int8_activations);
+           SerialMacs{serial_macs_tiles, serial_macs_widening, serial_macs_amx}, int8_activations);
   return true;
 }
 
@@ -1597,8 +1618,20 @@ bool uses_amx() {
 #endif
 }
 
+// Whether a bfloat16 call of the blocked formats, m token rows against n
+// weight rows of k, stays on the calling thread under these limits, on the
+// path this build and CPU take (tiles_min_rows). Only with AVX512-BF16.
+bool bf16_tiles_on_one_thread(int64_t m, int64_t n, int64_t k, int64_t serial_macs_tiles, int64_t serial_macs_amx) {
+#ifdef __AVX512BF16__
+  return tiles_min_rows(m, n, k, SerialMacs{serial_macs_tiles, 0, serial_macs_amx}) == kOneThread;
+#else
+  TORCH_CHECK(false, "bf16_tiles_on_one_thread: this build has no bfloat16 tiles (no AVX512-BF16)");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_amx", &uses_amx, "uses_amx");
+  m.def("bf16_tiles_on_one_thread", &bf16_tiles_on_one_thread, "bf16_tiles_on_one_thread");
   m.def("int8_activations_built", &int8_activations_built, "int8_activations_built");
   m.def("q4_1_interleaves", &q4_1_interleaves, "q4_1_interleaves");
   m.def("q4_1_panel_min_rows", &q4_1_panel_min_rows, "q4_1_panel_min_rows");

@@ -88,7 +88,16 @@ Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # against 119. Float32 Q4_1, one thread against two: the 576 x 576 weight
 # at 8 rows 81 against 89, at 16 rows 122 against 108; the 1,536 x 576
 # weight at 2 rows 81 against 79, at 4 rows 107 against 92.
-SERIAL_MACS_WHEN_THREADS_SLEEP = {"bfloat16 tiles": 6 << 20, "widening": 3 << 20}
+# The bfloat16 tiles on AMX are a third path: each call dequantizes all its
+# weights, whatever its rows, and a tile multiply-add takes 16 token rows,
+# so their multiply-adds count the rows padded to whole tiles. On 2 Intel
+# Xeon (Emerald Rapids) cores, the same setting, one thread against two:
+# Q4_1 at 1 row on the 192 x 576 weight (1.8 M multiply-adds padded) 33
+# against 46, at 16 rows 31 against 46; on the 576 x 576 weight (5.3 M) 74
+# against 51; on the 1,536 x 576 weight 134 against 94, where oneDNN's
+# packed bfloat16 product took 114, so with the Zen 5 limit the Q4_1
+# kernel's calibrated row limit came out 0 and a decode step read bfloat16.
+SERIAL_MACS_WHEN_THREADS_SLEEP = {"bfloat16 tiles": 6 << 20, "widening": 3 << 20, "AMX tiles": 3 << 20}
 
 _KERNEL = native.Kernel("loragw_quant_linear", SOURCE, "CPU quantized linear kernel", cpu_linear.ENV_SWITCH)
 load_kernel = _KERNEL.load
@@ -187,12 +196,12 @@ QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
 
 
 @functools.cache
-def serial_macs() -> tuple[int, int]:
-    """The kernels' one-thread limits, (bfloat16 tiles, widening). A call
-    uses the limit of the path it takes, and only the build knows which that
-    is (quant_linear.cpp, `SerialMacs`)."""
-    limits = SERIAL_MACS_WHEN_THREADS_SLEEP
-    return native.serial_below(limits["bfloat16 tiles"]), native.serial_below(limits["widening"])
+def serial_macs() -> tuple[int, int, int]:
+    """The kernels' one-thread limits, (bfloat16 tiles, widening, AMX
+    tiles). A call uses the limit of the path it takes, and only the build
+    knows which that is (quant_linear.cpp, `SerialMacs`)."""
+    return tuple(native.serial_below(SERIAL_MACS_WHEN_THREADS_SLEEP[path])
+                 for path in ("bfloat16 tiles", "widening", "AMX tiles"))
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

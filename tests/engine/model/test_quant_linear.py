@@ -153,11 +153,34 @@ def test_a_call_kept_on_the_calling_thread_sums_as_one_spread_over_the_threads(k
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         outs = []
         for threshold in (0, 1 << 62):  # over the threads, then all on this one
-            monkeypatch.setattr(quant_linear, "serial_macs", lambda threshold=threshold: (threshold, threshold))
+            monkeypatch.setattr(quant_linear, "serial_macs", lambda threshold=threshold: (threshold,) * 3)
             outs.append(torch.empty(rows, n, dtype=dtype))
             assert qw.run_kernel(kernel, x, None, outs[-1])
         assert torch.equal(outs[0], outs[1]), rows
         torch.testing.assert_close(outs[1].double(), x.double() @ naive_weight(qw).T, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
+def test_bfloat16_tiles_stay_on_one_thread_by_the_limit_of_the_path_they_take(kernel):
+    """Where idle threads sleep: on AMX a call's multiply-adds count its
+    token rows padded to whole 16-row tiles, against the AMX limit; on the
+    vector tiles its own rows, against theirs. With the limits as set, on
+    AMX the model's layer shapes (the 576 x 576 o_proj the smallest) take
+    both threads from one row, and a 192 x 576 weight stays on one."""
+    one_thread = kernel.bf16_tiles_on_one_thread
+    n, k = 192, 576
+    if kernel.uses_amx():
+        padded = 16 * n * k
+        assert one_thread(1, n, k, 0, padded + 1) and one_thread(16, n, k, 0, padded + 1)
+        assert not one_thread(1, n, k, 1 << 62, padded) and not one_thread(17, n, k, 0, padded + 1)
+    else:
+        assert one_thread(1, n, k, n * k + 1, 0) and not one_thread(1, n, k, n * k, 1 << 62)
+        assert not one_thread(2, n, k, n * k + 1, 0)
+    limits = quant_linear.SERIAL_MACS_WHEN_THREADS_SLEEP
+    tiles, amx = limits["bfloat16 tiles"], limits["AMX tiles"]
+    if kernel.uses_amx():
+        assert one_thread(1, *SHAPES["k/v"], tiles, amx)
+        assert not any(one_thread(1, *SHAPES[name], tiles, amx) for name in ("q/o", "qkv", "gate_up", "down"))
 
 
 @pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
@@ -304,7 +327,7 @@ def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
 def test_a_shape_mismatch_raises(kernel):
     qw = quant_linear.quantize_q4_1(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="q4_1_linear"):
-        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0, [])
+        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0, 0, [])
 
 
 def test_a_limit_given_to_linear_decides_which_path_a_call_takes(kernel):
