@@ -1418,8 +1418,9 @@ int64_t widening_min_rows(int64_t macs, SerialMacs serial) {
 // has, and dequantizing the weights, which every call does once whatever
 // its rows, costs more than on the vector path: on a 2-core Intel Xeon
 // (Emerald Rapids) the vector path's limit kept a one-row call on the
-// 1,536 x 576 gate weight on one thread, 134 us against 94 on two
-// (docs/engine.md, "On AMX, calls of few rows on both threads").
+// 1,536 x 576 calibration weight (cpu_linear.CALIBRATION_SHAPE) on one
+// thread, 134 us against 94 on two (docs/engine.md, "On AMX, calls of few
+// rows on both threads").
 #ifdef __AVX512BF16__
 int64_t tiles_min_rows(int64_t m, int64_t n, int64_t k, SerialMacs serial) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

@@ -200,8 +200,9 @@ def serial_macs() -> tuple[int, int, int]:
     """The kernels' one-thread limits, (bfloat16 tiles, widening, AMX
     tiles). A call uses the limit of the path it takes, and only the build
     knows which that is (quant_linear.cpp, `SerialMacs`)."""
-    return tuple(native.serial_below(SERIAL_MACS_WHEN_THREADS_SLEEP[path])
-                 for path in ("bfloat16 tiles", "widening", "AMX tiles"))
+    limits = SERIAL_MACS_WHEN_THREADS_SLEEP
+    return (native.serial_below(limits["bfloat16 tiles"]), native.serial_below(limits["widening"]),
+            native.serial_below(limits["AMX tiles"]))
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
