@@ -169,18 +169,17 @@ def test_bfloat16_tiles_stay_on_one_thread_by_the_limit_of_the_path_they_take(ke
     both threads from one row, and a 192 x 576 weight stays on one."""
     one_thread = kernel.bf16_tiles_on_one_thread
     n, k = 192, 576
-    if kernel.uses_amx():
-        padded = 16 * n * k
-        assert one_thread(1, n, k, 0, padded + 1) and one_thread(16, n, k, 0, padded + 1)
-        assert not one_thread(1, n, k, 1 << 62, padded) and not one_thread(17, n, k, 0, padded + 1)
-    else:
+    if not kernel.uses_amx():
         assert one_thread(1, n, k, n * k + 1, 0) and not one_thread(1, n, k, n * k, 1 << 62)
         assert not one_thread(2, n, k, n * k + 1, 0)
+        return
+    padded = 16 * n * k
+    assert one_thread(1, n, k, 0, padded + 1) and one_thread(16, n, k, 0, padded + 1)
+    assert not one_thread(1, n, k, 1 << 62, padded) and not one_thread(17, n, k, 0, padded + 1)
     limits = quant_linear.SERIAL_MACS_WHEN_THREADS_SLEEP
     tiles, amx = limits["bfloat16 tiles"], limits["AMX tiles"]
-    if kernel.uses_amx():
-        assert one_thread(1, *SHAPES["k/v"], tiles, amx)
-        assert not any(one_thread(1, *SHAPES[name], tiles, amx) for name in ("q/o", "qkv", "gate_up", "down"))
+    assert one_thread(1, *SHAPES["k/v"], tiles, amx)
+    assert not any(one_thread(1, *SHAPES[name], tiles, amx) for name in ("q/o", "qkv", "gate_up", "down"))
 
 
 @pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
