@@ -234,7 +234,7 @@ def _kernel_calls(name: str):
         if name == "skinny_linear":
             return cpu_linear.load_kernel(), lambda k: k.skinny_linear(x, weight, None, out)
         q41 = quant_linear.quantize_q4_1(weight)
-        return quant_linear.load_kernel(), lambda k: k.q4_1_linear(x, q41.q, q41.dm, None, out, False, 0, 0, 0, [])
+        return quant_linear.load_kernel(), lambda k: k.q4_1_linear(x, q41.q, q41.dm, None, out, False, 0, 0, 0, 0, [])
     wide = torch.randn(2048, 4096, generator=gen)
     if name == "rms_norm":
         weight, out = torch.ones(4096), torch.empty(2048, 4096)
@@ -268,7 +268,7 @@ BINDING = re.compile(r'm\.def\("(\w+)",\s*([^;]*?)\);', re.DOTALL)
 BOUND = re.compile(r"(?:wrap_pybind_function(?:_no_gil)?\(|&)(\w+)")
 # What answers a question about the build and takes no tensors.
 MAY_HOLD_THE_GIL = {"uses_amx", "int8_activations_built", "q4_1_interleaves", "q4_1_panel_min_rows", "has_bfloat16",
-                    "bf16_tiles_on_one_thread"}
+                    "bf16_tiles_on_one_thread", "interleaved_on_one_thread"}
 KNOWN_KERNELS = {"decode_attention", "prefill_attention", "q4_1_linear", "q8_0_linear", "int8_linear",
                  "skinny_linear", "rms_norm", "rotary", "silu_mul", "lora_apply"}
 

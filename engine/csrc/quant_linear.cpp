@@ -654,17 +654,24 @@ constexpr bool panel_tiles_fit() {
 }
 static_assert(panel_tiles_fit(), "a call of kPanelMinRows rows or more has a tile under kPanelMinTile rows");
 
-// The fewest token rows for which a call takes the panel on this CPU. An
+#ifdef __AVX512F__
+// Whether this CPU runs each 512-bit operation as two 256-bit halves: an
 // AVX-512 build of AMD's family 19h runs on Zen 4 only (Zen 3 has no
-// AVX-512); Zen 5 (family 1Ah), whose 512-bit paths are full width, keeps
-// kPanelMinRows, untimed.
+// AVX-512). Zen 5 (family 1Ah) and Intel's run them full width.
+inline bool halves_512() {
+  static const bool halves = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amdfam19h");
+  }();
+  return halves;
+}
+#endif
+
+// The fewest token rows for which a call takes the panel on this CPU. Zen
+// 5, whose 512-bit paths are full width, keeps kPanelMinRows, untimed.
 inline int64_t panel_min_rows() {
 #ifdef __AVX512F__
-  static const int64_t rows = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amdfam19h") ? kPanelMinRowsZen4 : kPanelMinRows;
-  }();
-  return rows;
+  return halves_512() ? kPanelMinRowsZen4 : kPanelMinRows;
 #else
   return kPanelMinRows;
 #endif
@@ -1398,7 +1405,7 @@ bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& 
 // threads sleep, waking one costs more than it saves there). Only this
 // build knows which path a call takes, so the limit is chosen here.
 struct SerialMacs {
-  int64_t tiles, widening, amx;
+  int64_t tiles, widening, amx, lanes16;
 };
 
 // out [M, N] and bias [N] against x [M, K] and the weight's n rows.
@@ -1412,6 +1419,24 @@ void check_out_and_bias(const torch::Tensor& x, int64_t n, const c10::optional<t
 int64_t widening_min_rows(int64_t macs, SerialMacs serial) {
   return macs < serial.widening ? kOneThread : kMinRows;
 }
+
+#ifdef LORAGW_Q41_INTERLEAVED
+// `min_rows` for float32 Q4_1 calls on the interleaved copy. In 16 lanes on
+// 512-bit units of full width a weight is widened once for all the token
+// rows, and one thread runs a call about twice as fast as the software
+// widening that `widening` was timed on (float32 Q4_1 before the copy), so
+// it ties with two threads at about twice the multiply-adds: on a 2-core
+// Zen 5 a layer's four calls at 4 to 24 rows, weights streamed as a step
+// streams them, took 0.88-0.98x their time under `widening`
+// (docs/engine.md, "Float32 Q4_1 in 16 lanes, on one thread longer").
+// 8 lanes, and Zen 4's halves, keep `widening`, untimed.
+int64_t interleaved_min_rows(int64_t macs, SerialMacs serial) {
+#ifdef __AVX512F__
+  if (!halves_512()) return macs < serial.lanes16 ? kOneThread : kMinRows;
+#endif
+  return widening_min_rows(macs, serial);
+}
+#endif
 
 // `min_rows` for the bfloat16 tiles of m token rows against n weight rows
 // of k. On AMX a tile multiply-add takes 16 token rows whatever the call
@@ -1505,14 +1530,14 @@ bool int8_activations_ok(const torch::Tensor& x, bool int8_activations) {
 // does not take, so the caller uses the torch twin.
 bool int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t serial_macs_tiles,
-                 int64_t serial_macs_widening, int64_t serial_macs_amx) {
+                 int64_t serial_macs_widening, int64_t serial_macs_amx, int64_t serial_macs_lanes16) {
   if (!activations_ok(x, bias, out) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       scale.scalar_type() != at::kFloat || !scale.is_contiguous())
     return false;
   TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1) && scale.numel() == q.size(0),
               "int8_linear: x ", x.sizes(), ", q ", q.sizes(), ", scale ", scale.sizes());
   dispatch(x, Int8Rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, q.size(0), bias, out,
-           SerialMacs{serial_macs_tiles, serial_macs_widening, serial_macs_amx});
+           SerialMacs{serial_macs_tiles, serial_macs_widening, serial_macs_amx, serial_macs_lanes16});
   return true;
 }
 
@@ -1560,12 +1585,12 @@ std::vector<torch::Tensor> q4_1_interleave(const torch::Tensor& q, const torch::
 bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
                  int64_t serial_macs_tiles, int64_t serial_macs_widening, int64_t serial_macs_amx,
-                 const std::vector<torch::Tensor>& interleaved) {
+                 int64_t serial_macs_lanes16, const std::vector<torch::Tensor>& interleaved) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kByte ||
       !q.is_contiguous() || dm.scalar_type() != at::kHalf || !dm.is_contiguous())
     return false;
   const int64_t k = x.size(1);
-  const SerialMacs serial{serial_macs_tiles, serial_macs_widening, serial_macs_amx};
+  const SerialMacs serial{serial_macs_tiles, serial_macs_widening, serial_macs_amx, serial_macs_lanes16};
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 2 == k && dm.dim() == 3 && dm.size(0) == q.size(0) &&
                   dm.size(1) * kBlock == k && dm.size(2) == 2,
               "q4_1_linear: x ", x.sizes(), ", q ", q.sizes(), ", dm ", dm.sizes());
@@ -1585,7 +1610,7 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
     interleaved_f32(x.data_ptr<float>(), x.stride(0), x.size(0),
                     Q41Interleaved{nib.data_ptr<uint8_t>(), dmi.data_ptr<c10::Half>(), blocks}, n, k,
                     bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0),
-                    widening_min_rows(x.size(0) * n * k, serial));
+                    interleaved_min_rows(x.size(0) * n * k, serial));
     return true;
   }
 #endif
@@ -1598,7 +1623,8 @@ bool q4_1_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
 // float16, bias [N] or none, out [M, N] in x's dtype.
 bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out, bool int8_activations,
-                 int64_t serial_macs_tiles, int64_t serial_macs_widening, int64_t serial_macs_amx) {
+                 int64_t serial_macs_tiles, int64_t serial_macs_widening, int64_t serial_macs_amx,
+                 int64_t serial_macs_lanes16) {
   if (!activations_ok(x, bias, out) || !int8_activations_ok(x, int8_activations) || q.scalar_type() != at::kChar || !q.is_contiguous() ||
       d.scalar_type() != at::kHalf || !d.is_contiguous())
     return false;
@@ -1606,7 +1632,7 @@ bool q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) == k && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) * kBlock == k,
               "q8_0_linear: x ", x.sizes(), ", q ", q.sizes(), ", d ", d.sizes());
   dispatch(x, Q80Rows{q.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), k}, q.size(0), bias, out,
-           SerialMacs{serial_macs_tiles, serial_macs_widening, serial_macs_amx}, int8_activations);
+           SerialMacs{serial_macs_tiles, serial_macs_widening, serial_macs_amx, serial_macs_lanes16}, int8_activations);
   return true;
 }
 
@@ -1624,15 +1650,28 @@ bool uses_amx() {
 // path this build and CPU take (tiles_min_rows). Only with AVX512-BF16.
 bool bf16_tiles_on_one_thread(int64_t m, int64_t n, int64_t k, int64_t serial_macs_tiles, int64_t serial_macs_amx) {
 #ifdef __AVX512BF16__
-  return tiles_min_rows(m, n, k, SerialMacs{serial_macs_tiles, 0, serial_macs_amx}) == kOneThread;
+  return tiles_min_rows(m, n, k, SerialMacs{serial_macs_tiles, 0, serial_macs_amx, 0}) == kOneThread;
 #else
   TORCH_CHECK(false, "bf16_tiles_on_one_thread: this build has no bfloat16 tiles (no AVX512-BF16)");
+#endif
+}
+
+// Whether a float32 Q4_1 call on the interleaved copy, m token rows against
+// n weight rows of k, stays on the calling thread under these limits, on
+// this build and CPU (interleaved_min_rows). Only where q4_1_interleaves().
+bool interleaved_on_one_thread(int64_t m, int64_t n, int64_t k, int64_t serial_macs_widening,
+                               int64_t serial_macs_lanes16) {
+#ifdef LORAGW_Q41_INTERLEAVED
+  return interleaved_min_rows(m * n * k, SerialMacs{0, serial_macs_widening, 0, serial_macs_lanes16}) == kOneThread;
+#else
+  TORCH_CHECK(false, "interleaved_on_one_thread: this build has no interleaved Q4_1 path (no AVX2)");
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_amx", &uses_amx, "uses_amx");
   m.def("bf16_tiles_on_one_thread", &bf16_tiles_on_one_thread, "bf16_tiles_on_one_thread");
+  m.def("interleaved_on_one_thread", &interleaved_on_one_thread, "interleaved_on_one_thread");
   m.def("int8_activations_built", &int8_activations_built, "int8_activations_built");
   m.def("q4_1_interleaves", &q4_1_interleaves, "q4_1_interleaves");
   m.def("q4_1_panel_min_rows", &q4_1_panel_min_rows, "q4_1_panel_min_rows");

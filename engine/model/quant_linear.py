@@ -97,7 +97,19 @@ Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # against 51; on the 1,536 x 576 weight 134 against 94, where oneDNN's
 # packed bfloat16 product took 114, so with the Zen 5 limit the Q4_1
 # kernel's calibrated row limit came out 0 and a decode step read bfloat16.
-SERIAL_MACS_WHEN_THREADS_SLEEP = {"bfloat16 tiles": 6 << 20, "widening": 3 << 20, "AMX tiles": 3 << 20}
+# Float32 Q4_1 on its interleaved copy in 16 lanes, on 512-bit units of
+# full width (Zen 5, Intel; not Zen 4), is a fourth: one weight widening
+# serves every token row, and one thread runs about twice the widening
+# path's pace. On 2 Zen 5 cores, the same setting, a decode step's calls in
+# order (30 layers, weights streamed from memory), one thread against two:
+# the 960 x 576 qkv weight at 16 rows (8.8 M) 97 against 109, at 24 rows
+# (13.3 M) 130 against 120; the 576 x 1,536 down weight at 8 rows (7.1 M)
+# 86 against 98, at 12 rows (10.6 M) 125 against 120; the 3,072 x 576
+# gate_up weight at 2 rows (3.5 M) 101 against 107, at 4 rows (7.1 M) 130
+# against 121, the one layer call that this limit keeps on one thread and
+# loses by it.
+SERIAL_MACS_WHEN_THREADS_SLEEP = {"bfloat16 tiles": 6 << 20, "widening": 3 << 20, "AMX tiles": 3 << 20,
+                                  "16 lanes": 9 << 20}
 
 _KERNEL = native.Kernel("loragw_quant_linear", SOURCE, "CPU quantized linear kernel", cpu_linear.ENV_SWITCH)
 load_kernel = _KERNEL.load
@@ -196,13 +208,12 @@ QuantizedWeight = Int8Weight | Q41Weight | Q80Weight
 
 
 @functools.cache
-def serial_macs() -> tuple[int, int, int]:
+def serial_macs() -> tuple[int, int, int, int]:
     """The kernels' one-thread limits, (bfloat16 tiles, widening, AMX
-    tiles). A call uses the limit of the path it takes, and only the build
-    knows which that is (quant_linear.cpp, `SerialMacs`)."""
+    tiles, 16 lanes). A call uses the limit of the path it takes, and only
+    the build knows which that is (quant_linear.cpp, `SerialMacs`)."""
     limits = SERIAL_MACS_WHEN_THREADS_SLEEP
-    return (native.serial_below(limits["bfloat16 tiles"]), native.serial_below(limits["widening"]),
-            native.serial_below(limits["AMX tiles"]))
+    return tuple(native.serial_below(limits[path]) for path in ("bfloat16 tiles", "widening", "AMX tiles", "16 lanes"))
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

@@ -153,7 +153,8 @@ def test_a_call_kept_on_the_calling_thread_sums_as_one_spread_over_the_threads(k
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         outs = []
         for threshold in (0, 1 << 62):  # over the threads, then all on this one
-            monkeypatch.setattr(quant_linear, "serial_macs", lambda threshold=threshold: (threshold,) * 3)
+            limits = (threshold,) * len(quant_linear.SERIAL_MACS_WHEN_THREADS_SLEEP)
+            monkeypatch.setattr(quant_linear, "serial_macs", lambda limits=limits: limits)
             outs.append(torch.empty(rows, n, dtype=dtype))
             assert qw.run_kernel(kernel, x, None, outs[-1])
         assert torch.equal(outs[0], outs[1]), rows
@@ -180,6 +181,30 @@ def test_bfloat16_tiles_stay_on_one_thread_by_the_limit_of_the_path_they_take(ke
     tiles, amx = limits["bfloat16 tiles"], limits["AMX tiles"]
     assert one_thread(1, *SHAPES["k/v"], tiles, amx)
     assert not any(one_thread(1, *SHAPES[name], tiles, amx) for name in ("q/o", "qkv", "gate_up", "down"))
+
+
+def test_float32_q4_1_in_16_lanes_of_full_width_stays_on_one_thread_by_a_limit_of_its_own(kernel):
+    """Where idle threads sleep, a float32 Q4_1 call on the interleaved copy
+    counts its multiply-adds against the 16-lane limit on a CPU that runs
+    512-bit operations full width (an AVX-512 build, but for AMD's family
+    19h, Zen 4, which runs them in halves), and against the widening limit
+    elsewhere. With the limits as set, on the former a decode step's qkv
+    call stays on one thread at 16 rows and takes both at 24."""
+    if not kernel.q4_1_interleaves():
+        pytest.skip("this build has no interleaved Q4_1 path (no AVX2)")
+    one_thread = kernel.interleaved_on_one_thread
+    n, k = SHAPES["qkv"]
+    macs = 16 * n * k
+    fields = host_cpu.cpu_fields()
+    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+    full_width = "avx512f" in host_cpu.cpu_flags() and not zen4
+    by_lanes16 = one_thread(16, n, k, 0, macs + 1) and not one_thread(16, n, k, 1 << 62, macs)
+    by_widening = one_thread(16, n, k, macs + 1, 0) and not one_thread(16, n, k, macs, 1 << 62)
+    assert (by_lanes16, by_widening) == (full_width, not full_width)
+    if full_width:
+        limits = quant_linear.SERIAL_MACS_WHEN_THREADS_SLEEP
+        widening, lanes16 = limits["widening"], limits["16 lanes"]
+        assert one_thread(16, n, k, widening, lanes16) and not one_thread(24, n, k, widening, lanes16)
 
 
 @pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
@@ -326,7 +351,7 @@ def test_inputs_the_kernel_does_not_take_go_to_the_twin(kernel, case):
 def test_a_shape_mismatch_raises(kernel):
     qw = quant_linear.quantize_q4_1(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="q4_1_linear"):
-        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0, 0, [])
+        kernel.q4_1_linear(torch.randn(2, 96), qw.q, qw.dm, None, torch.empty(2, 32), False, 0, 0, 0, 0, [])
 
 
 def test_a_limit_given_to_linear_decides_which_path_a_call_takes(kernel):
