@@ -1401,9 +1401,11 @@ bool activations_ok(const torch::Tensor& x, const c10::optional<torch::Tensor>& 
 // `tiles` on the bfloat16 dot-product tiles, than `widening` on a path that
 // widens each weight in software, whose multiply-adds take about twice as
 // long, than `amx` on the tiles' AMX path, counted over the token rows
-// padded to whole 16-row tiles (engine/model/quant_linear.py: where idle
-// threads sleep, waking one costs more than it saves there). Only this
-// build knows which path a call takes, so the limit is chosen here.
+// padded to whole 16-row tiles, than `lanes16` on float32 Q4_1's
+// interleaved copy in 16 lanes of full width (interleaved_min_rows)
+// (engine/model/quant_linear.py: where idle threads sleep, waking one costs
+// more than it saves there). Only this build knows which path a call takes,
+// so the limit is chosen here.
 struct SerialMacs {
   int64_t tiles, widening, amx, lanes16;
 };
@@ -1425,11 +1427,13 @@ int64_t widening_min_rows(int64_t macs, SerialMacs serial) {
 // 512-bit units of full width a weight is widened once for all the token
 // rows, and one thread runs a call about twice as fast as the software
 // widening that `widening` was timed on (float32 Q4_1 before the copy), so
-// it ties with two threads at about twice the multiply-adds: on a 2-core
-// Zen 5 a layer's four calls at 4 to 24 rows, weights streamed as a step
-// streams them, took 0.88-0.98x their time under `widening`
-// (docs/engine.md, "Float32 Q4_1 in 16 lanes, on one thread longer").
-// 8 lanes, and Zen 4's halves, keep `widening`, untimed.
+// one thread holds its own longer: on a 2-core Zen 5, weights streamed as a
+// step streams them, one thread tied with two at about 7 to 13 x 10^6
+// multiply-adds on the layer shapes (3.5 to 7 on the widest, gate_up), and
+// under `lanes16` a layer's four calls at 4 to 24 rows took 0.88-0.98x
+// their time under `widening` (docs/engine.md, "Float32 Q4_1 in 16 lanes,
+// on one thread longer"). Intel's full-width units take it untimed; 8
+// lanes, and Zen 4's halves, keep `widening`, untimed too.
 int64_t interleaved_min_rows(int64_t macs, SerialMacs serial) {
 #ifdef __AVX512F__
   if (!halves_512()) return macs < serial.lanes16 ? kOneThread : kMinRows;

@@ -76,11 +76,12 @@ SOURCE = Path(__file__).parents[1] / "csrc" / "quant_linear.cpp"
 Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # Where idle threads sleep (native/__init__.py), a kernel call of fewer
 # multiply-adds (token rows x weight rows x K) than this stays on the
-# calling thread: waking the other costs ~45 us there, more than half such a
-# call. By the kernel's path: the bfloat16 dot-product tiles (Q4_1 and Q8_0
-# with bfloat16 activations on AVX512-BF16), or a path that widens each
-# weight in software (float32 activations, int8 weights, bfloat16 without
-# AVX512-BF16), whose multiply-adds take about twice as long. On 2 Zen 5 cores under
+# calling thread: waking the other costs ~45 us there, about what two
+# threads save on such a call. By the kernel's path: the bfloat16
+# dot-product tiles (Q4_1 and Q8_0 with bfloat16 activations on
+# AVX512-BF16), or a path that widens each weight in software (float32
+# activations, int8 weights, bfloat16 without AVX512-BF16), whose
+# multiply-adds take about twice as long. On 2 Zen 5 cores under
 # OMP_WAIT_POLICY=PASSIVE (benchmarks/quant_linear.py, weights streamed
 # from memory), in microseconds, one thread against two: bfloat16 Q4_1 on
 # the 576 x 576 weight at 1 token row 16 against 52, at 16 rows 53 against
@@ -98,10 +99,11 @@ Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # packed bfloat16 product took 114, so with the Zen 5 limit the Q4_1
 # kernel's calibrated row limit came out 0 and a decode step read bfloat16.
 # Float32 Q4_1 on its interleaved copy in 16 lanes, on 512-bit units of
-# full width (Zen 5, Intel; not Zen 4), is a fourth: one weight widening
-# serves every token row, and one thread runs about twice the widening
-# path's pace. On 2 Zen 5 cores, the same setting, a decode step's calls in
-# order (30 layers, weights streamed from memory), one thread against two:
+# full width (Zen 5; Intel's, untimed; not Zen 4), is a fourth: one weight
+# widening serves every token row, and one thread runs about twice the
+# widening path's pace. The limit sits among the timed ties. On 2 Zen 5
+# cores, the same setting, a decode step's calls in order (30 layers,
+# weights streamed from memory), one thread against two:
 # the 960 x 576 qkv weight at 16 rows (8.8 M) 97 against 109, at 24 rows
 # (13.3 M) 130 against 120; the 576 x 1,536 down weight at 8 rows (7.1 M)
 # 86 against 98, at 12 rows (10.6 M) 125 against 120; the 3,072 x 576
@@ -213,7 +215,9 @@ def serial_macs() -> tuple[int, int, int, int]:
     tiles, 16 lanes). A call uses the limit of the path it takes, and only
     the build knows which that is (quant_linear.cpp, `SerialMacs`)."""
     limits = SERIAL_MACS_WHEN_THREADS_SLEEP
-    return tuple(native.serial_below(limits[path]) for path in ("bfloat16 tiles", "widening", "AMX tiles", "16 lanes"))
+    tiles, widening, amx, lanes16 = (native.serial_below(limits[path])
+                                     for path in ("bfloat16 tiles", "widening", "AMX tiles", "16 lanes"))
+    return tiles, widening, amx, lanes16
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

@@ -7,6 +7,7 @@ kernels' row limits: test_quant_limits.py."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -205,6 +206,21 @@ def test_float32_q4_1_in_16_lanes_of_full_width_stays_on_one_thread_by_a_limit_o
         limits = quant_linear.SERIAL_MACS_WHEN_THREADS_SLEEP
         widening, lanes16 = limits["widening"], limits["16 lanes"]
         assert one_thread(16, n, k, widening, lanes16) and not one_thread(24, n, k, widening, lanes16)
+
+
+def test_serial_macs_hands_each_limit_where_the_kernels_take_it(monkeypatch):
+    """The kernels take the one-thread limits by position, in the order of
+    quant_linear.cpp's SerialMacs and of every binding's parameters; a swap
+    would put a path under another's limit with no output to show it."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    limits = quant_linear.SERIAL_MACS_WHEN_THREADS_SLEEP
+    order = ("bfloat16 tiles", "widening", "AMX tiles", "16 lanes")
+    assert set(order) == set(limits)
+    assert quant_linear.serial_macs.__wrapped__() == tuple(limits[path] for path in order)
+    source = quant_linear.SOURCE.read_text()
+    assert "int64_t tiles, widening, amx, lanes16;" in source
+    params = r",\s*".join(f"int64_t serial_macs_{name}" for name in ("tiles", "widening", "amx", "lanes16"))
+    assert len(re.findall(params, source)) == 3  # int8_linear, q4_1_linear, q8_0_linear
 
 
 @pytest.mark.skipif("avx512_bf16" not in host_cpu.cpu_flags(), reason="the host has no AVX512-BF16")
