@@ -76,7 +76,7 @@ SOURCE = Path(__file__).parents[1] / "csrc" / "quant_linear.cpp"
 Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # Where idle threads sleep (native/__init__.py), a kernel call of fewer
 # multiply-adds (token rows x weight rows x K) than this stays on the
-# calling thread: waking the other costs ~45 us there, about what two
+# calling thread: waking the other costs ~45 us there, more than two
 # threads save on such a call. By the kernel's path: the bfloat16
 # dot-product tiles (Q4_1 and Q8_0 with bfloat16 activations on
 # AVX512-BF16), or a path that widens each weight in software (float32
