@@ -184,6 +184,15 @@ def test_bfloat16_tiles_stay_on_one_thread_by_the_limit_of_the_path_they_take(ke
     assert not any(one_thread(1, *SHAPES[name], tiles, amx) for name in ("q/o", "qkv", "gate_up", "down"))
 
 
+def _full_width_avx512() -> bool:
+    """What quant_linear.cpp's halves_512 reads from CPUID, from
+    /proc/cpuinfo: an AVX-512 CPU but AMD's family 25 (Zen 4), which runs
+    512-bit operations in halves."""
+    fields = host_cpu.cpu_fields()
+    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+    return "avx512f" in host_cpu.cpu_flags() and not zen4
+
+
 def test_float32_q4_1_in_16_lanes_of_full_width_stays_on_one_thread_by_a_limit_of_its_own(kernel):
     """Where idle threads sleep, a float32 Q4_1 call on the interleaved copy
     counts its multiply-adds against the 16-lane limit on a CPU that runs
@@ -196,9 +205,7 @@ def test_float32_q4_1_in_16_lanes_of_full_width_stays_on_one_thread_by_a_limit_o
     one_thread = kernel.interleaved_on_one_thread
     n, k = SHAPES["qkv"]
     macs = 16 * n * k
-    fields = host_cpu.cpu_fields()
-    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
-    full_width = "avx512f" in host_cpu.cpu_flags() and not zen4
+    full_width = _full_width_avx512()
     by_lanes16 = one_thread(16, n, k, 0, macs + 1) and not one_thread(16, n, k, 1 << 62, macs)
     by_widening = one_thread(16, n, k, macs + 1, 0) and not one_thread(16, n, k, macs, 1 << 62)
     assert (by_lanes16, by_widening) == (full_width, not full_width)
@@ -310,13 +317,10 @@ def test_float32_q4_1_calls_take_the_panel_from_the_row_count_for_the_host(kerne
     interleaved. Which path a call takes never shows in its output (the
     test above holds both to the same bits), so this is where the rule is
     checked."""
-    flags = host_cpu.cpu_flags()
     if not kernel.q4_1_interleaves():
         assert kernel.q4_1_panel_min_rows() == 0
         return
-    fields = host_cpu.cpu_fields()
-    zen4 = "avx512f" in flags and fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
-    assert kernel.q4_1_panel_min_rows() == (9 if "avx512f" in flags and not zen4 else 17)
+    assert kernel.q4_1_panel_min_rows() == (9 if _full_width_avx512() else 17)
 
 
 def test_a_group_of_8_weight_rows_sums_alike_in_8_lanes_and_in_a_16_lane_pair(kernel):
