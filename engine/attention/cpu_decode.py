@@ -8,7 +8,10 @@ place, through the block table, once per step and layer, in one pass per
 sequence (engine/csrc/cpu_decode.cpp): the scores of 16 positions at a time,
 an online softmax (a running max and sum per head, as in flash-decoding),
 and the weighted V rows, so no score matrix is written. A sequence past 512
-positions is split into spans that run on both cores and are merged.
+positions is split into spans that run on both cores and are merged. The
+same module writes each layer's new K/V into the caches (`write_kv`): one
+call where the twin makes two `index_copy_` calls and two casts, whose
+dispatch cost more than the copying at a decode step's few rows.
 
 Numerics: float32 accumulation throughout. A float32 model's float16 cache
 (`kv_cache_dtype`, engine/config.py) is widened to float32 as it is read
@@ -90,3 +93,18 @@ def paged_decode_attention(
     assert supports(query, k_cache)
     kernel.decode_attention(out, query, k_cache, v_cache, rows, seq_ids, block_tables, seq_lens, scale,
                             parallel_positions)
+
+
+def write_kv(
+    kernel,
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim], a row's heads side by side
+    value: torch.Tensor,  # same
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,  # same
+    slots: torch.Tensor,  # [T] int64: each row's flat slot (block * block_size + offset)
+) -> bool:
+    """Writes the step's new K and V into the caches at `slots`, as the
+    twin's `index_copy_` (after a cast to the cache's dtype) writes them, in
+    one call; False, with nothing written, where the kernel does not take
+    the tensors (the caller runs the twin)."""
+    return kernel.write_kv(key, value, k_cache, v_cache, slots)

@@ -22,6 +22,10 @@ Per step, `prepare` groups the batch once:
   instead, each row as a decode row over the positions it may see, so that
   its rows are computed as the decode rows they stand in for.
 
+Each layer first writes its new K/V into the caches: by the decode
+kernel's `write_kv` where that kernel serves the tensors (one C++ call),
+else by `index_copy_` after a cast to the cache's dtype.
+
 A float32 model's cache may hold float16 (`kv_cache_dtype`,
 engine/config.py): the decode kernel widens it as it reads, the SDPA paths
 widen what they gather, and a chunk that attends over its own K/V rounds
@@ -295,18 +299,20 @@ class TorchAttentionBackend(AttentionBackend):
         if self._plan is None or self._plan_meta is not meta:
             self.prepare(meta)
         plan = self._plan
-        num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
-        k_flat = k_cache.view(num_blocks * bs, num_kv_heads, head_dim)
-        v_flat = v_cache.view(num_blocks * bs, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+        decode_kernel = self._kernel_for("decode", query, k_cache)
+        if decode_kernel is None or not cpu_decode.write_kv(decode_kernel, key, value, k_cache, v_cache,
+                                                            meta.slot_mapping):
+            num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
+            k_flat = k_cache.view(num_blocks * bs, num_kv_heads, head_dim)
+            v_flat = v_cache.view(num_blocks * bs, num_kv_heads, head_dim)
+            k_flat.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+            v_flat.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
         out = torch.empty_like(query)
         if plan.decode_seqs:
-            kernel = self._kernel_for("decode", query, k_cache)
-            if kernel is not None:
+            if decode_kernel is not None:
                 cpu_decode.paged_decode_attention(
-                    kernel, out, query, k_cache, v_cache, plan.decode_rows, plan.decode_seq_ids,
+                    decode_kernel, out, query, k_cache, v_cache, plan.decode_rows, plan.decode_seq_ids,
                     meta.block_tables, meta.seq_lens, scale, self._decode_parallel_positions)
             else:
                 self._decode_with_buckets(out, query, k_cache, v_cache, meta, scale)
@@ -315,7 +321,7 @@ class TorchAttentionBackend(AttentionBackend):
             if kernel is not None and query.dtype == torch.bfloat16:
                 chunks = _Chunks(plan.prefill_seqs, plan.prefill_starts, plan.prefill_lens, plan.prefill_seq_ids)
             else:
-                chunks = self._split_prefill(meta, self._kernel_for("decode", query, k_cache))
+                chunks = self._split_prefill(meta, decode_kernel)
                 short = plan.short
                 if short is not None:
                     cpu_decode.paged_decode_attention(

@@ -468,6 +468,34 @@ void dispatch(torch::Tensor& out, const torch::Tensor& query, const torch::Tenso
   }
 }
 
+// Row t of src (rows src_stride apart, each `width` values in a run) into
+// cache slot slots[t] (slots `width` apart): what the twin's index_copy_
+// writes after its cast to the cache's type. float32 to float16 rounds to
+// nearest even, as torch's cast does.
+template <typename S, typename C>
+void write_rows(const S* src, int64_t src_stride, C* cache, const int64_t* slots, int64_t rows, int64_t width) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const S* from = src + t * src_stride;
+    C* to = cache + slots[t] * width;
+    if constexpr (std::is_same_v<S, C>) {
+      std::memcpy(to, from, width * sizeof(C));
+    } else {
+      static_assert(std::is_same_v<S, float> && std::is_same_v<C, c10::Half>);
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= width; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+      for (; i + 8 <= width; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+      for (; i < width; ++i) to[i] = static_cast<c10::Half>(from[i]);
+    }
+  }
+}
+
 }  // namespace
 
 void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -493,7 +521,52 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_ca
   }
 }
 
+// The step's new K and V, key and value [T, kv_heads, D] (a row's heads
+// side by side, rows any stride apart), into k_cache and v_cache [blocks,
+// block_size, kv_heads, D], contiguous, at the flat slots `slots` [T]
+// int64: one call for the twin's two index_copy_ and two casts, whose
+// dispatch cost more than the copying at a decode step's few rows. The
+// dtype pairs are decode_attention's. False where it does not take the
+// tensors (a slot out of range among them: the twin runs, and raises). On
+// the calling thread, even for a prompt step's thousand rows (1.5 MiB a
+// layer in float16): a copy at memory's pace beat the twin on two threads
+// at every size timed (docs/engine.md, "The new K/V written in one call").
+bool write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  if (key.dim() != 3 || value.sizes() != key.sizes() || k_cache.dim() != 4 || v_cache.sizes() != k_cache.sizes())
+    return false;
+  const int64_t rows = key.size(0), width = key.size(1) * key.size(2);
+  const auto q = key.scalar_type(), c = k_cache.scalar_type();
+  if (value.scalar_type() != q || v_cache.scalar_type() != c ||
+      !((q == at::kFloat && (c == at::kFloat || c == at::kHalf)) || (q == at::kBFloat16 && c == at::kBFloat16)))
+    return false;
+  for (const torch::Tensor* t : {&key, &value})
+    if (!t->device().is_cpu() || t->stride(2) != 1 || t->stride(1) != t->size(2)) return false;
+  if (!k_cache.device().is_cpu() || !v_cache.device().is_cpu() || !k_cache.is_contiguous() ||
+      !v_cache.is_contiguous() || k_cache.size(2) != key.size(1) || k_cache.size(3) != key.size(2) ||
+      slots.scalar_type() != at::kLong || slots.dim() != 1 || slots.size(0) != rows || !slots.is_contiguous() ||
+      !slots.device().is_cpu())
+    return false;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    if (slot[t] < 0 || slot[t] >= num_slots) return false;
+  if (q != c) {
+    typedef c10::Half H;
+    write_rows<float, H>(key.data_ptr<float>(), key.stride(0), k_cache.data_ptr<H>(), slot, rows, width);
+    write_rows<float, H>(value.data_ptr<float>(), value.stride(0), v_cache.data_ptr<H>(), slot, rows, width);
+    return true;
+  }
+  const int64_t size = key.element_size();  // the same type: bytes are bytes
+  write_rows<char, char>(static_cast<const char*>(key.data_ptr()), key.stride(0) * size,
+                         static_cast<char*>(k_cache.data_ptr()), slot, rows, width * size);
+  write_rows<char, char>(static_cast<const char*>(value.data_ptr()), value.stride(0) * size,
+                         static_cast<char*>(v_cache.data_ptr()), slot, rows, width * size);
+  return true;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as torch's own ops and the prefill kernel (cpu_prefill.cpp says why).
   m.def("decode_attention", torch::wrap_pybind_function_no_gil(decode_attention), "decode_attention");
+  m.def("write_kv", torch::wrap_pybind_function_no_gil(write_kv), "write_kv");
 }

@@ -99,7 +99,7 @@ Q4_BLOCK = 32  # weights per (d, m) pair, as GGUF's Q4_1
 # packed bfloat16 product took 114, so with the Zen 5 limit the Q4_1
 # kernel's calibrated row limit came out 0 and a decode step read bfloat16.
 # Float32 Q4_1 on its interleaved copy in 16 lanes, on 512-bit units of
-# full width (Zen 5; Intel's, untimed; not Zen 4), is a fourth: one weight
+# full width (Zen 5; Intel's, timed in the engine only; not Zen 4), is a fourth: one weight
 # widening serves every token row, and one thread runs about twice the
 # widening path's pace. The limit sits among the timed ties. On 2 Zen 5
 # cores, the same setting, a decode step's calls in order (30 layers,

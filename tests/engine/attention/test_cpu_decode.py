@@ -165,3 +165,73 @@ def test_no_item_is_skipped_when_claimed_ahead(kernel, monkeypatch, threads, dty
     with torch_threads(threads):
         case = make_case(lengths, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, seed=11)
         check_backend(_backend("kernel"), case)
+
+
+def _fused_kv(rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """key and value as the model hands them over: views of one row of q, k
+    and v side by side, so rows sit a fused row apart."""
+    gen = torch.Generator().manual_seed(seed)
+    width = kv_heads * head_dim
+    fused = torch.randn(rows, 3 * width + 16, generator=gen).to(dtype)
+    key = fused[:, 16: 16 + width].view(rows, kv_heads, head_dim)
+    value = fused[:, 16 + width: 16 + 2 * width].view(rows, kv_heads, head_dim)
+    return key, value
+
+
+@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                                     (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32", "fp32-over-fp16", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_write_kv_writes_what_index_copy_writes(kernel, query_dtype, cache_dtype, rows):
+    """The kernel's K/V write against the twin's cast and index_copy_, bit
+    for bit, at the slots of a shuffled pool; slots it is not given keep
+    their bytes."""
+    kv_heads, head_dim, num_blocks, block_size = 3, 64, 40, 16
+    key, value = _fused_kv(rows, kv_heads, head_dim, query_dtype, seed=rows)
+    if cache_dtype == torch.float16:
+        # Past float16's range, below its normals, between two of its
+        # values, and a negative zero: the cast's rounding, not only copying.
+        key[0, 0, :5] = torch.tensor([70000.0, -65520.0, 3e-6, 1.0 + 2**-11, -0.0])
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(7))[:rows]
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim).to(cache_dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    for cache, new in zip(expected, (key, value), strict=True):
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, new.to(cache_dtype))
+    assert cpu_decode.write_kv(kernel, key, value, caches[0], caches[1], slots)
+    bits = torch.int32 if cache_dtype == torch.float32 else torch.int16  # -0.0 and 0.0 told apart
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got.view(bits), want.view(bits))
+
+
+def test_write_kv_declines_what_it_does_not_take(kernel):
+    """A slot out of range, a dtype pair the decode kernel does not read,
+    or heads that are not side by side: False, and the caches untouched."""
+    key, value = _fused_kv(4, 3, 64, torch.float32, seed=1)
+    caches = [torch.zeros(2, 16, 3, 64) for _ in range(2)]
+    slots = torch.tensor([0, 5, 31, 32])  # 32 slots in all: the last is out of range
+    assert not cpu_decode.write_kv(kernel, key, value, *caches, slots)
+    assert not cpu_decode.write_kv(kernel, key, value, *caches, torch.tensor([0, 5, -1, 3]))
+    assert not cpu_decode.write_kv(kernel, key.to(torch.bfloat16), value.to(torch.bfloat16), *caches,
+                                   torch.tensor([0, 1, 2, 3]))
+    assert not cpu_decode.write_kv(kernel, key.transpose(0, 1), value.transpose(0, 1),
+                                   *[torch.zeros(2, 16, 4, 64) for _ in range(2)], torch.tensor([0, 1, 2]))
+    assert not cpu_decode.write_kv(kernel, key, value, *caches, torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+    assert all(not c.any() for c in caches)
+
+
+def test_a_slot_out_of_range_still_raises(kernel, monkeypatch):
+    """The backend writes through the kernel, and where the kernel declines
+    (a slot out of range) falls back to the twin, whose index_copy_ raises:
+    a bad slot is an error, not a silent skip."""
+    written: list[bool] = []
+    real = cpu_decode.write_kv
+    monkeypatch.setattr(cpu_decode, "write_kv", lambda *args: written.append(real(*args)) or written[-1])
+    case = make_case(SCENARIOS["mixed"], block_size=16, dtype=torch.float32, head_dim=32, seed=3)
+    check_backend(_backend("kernel"), case)
+    assert written and all(written)
+    written.clear()
+    case.meta.slot_mapping[0] = case.k_cache.shape[0] * case.k_cache.shape[1]
+    with pytest.raises(IndexError):
+        _backend("kernel").forward(case.query, case.key, case.value, case.k_cache.clone(), case.v_cache.clone(),
+                                   case.meta, 0.125)
+    assert written == [False]
