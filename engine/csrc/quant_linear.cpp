@@ -1433,8 +1433,9 @@ int64_t widening_min_rows(int64_t macs, SerialMacs serial) {
 // under `lanes16` a layer's four calls at 4 to 24 rows took 0.88-0.98x
 // their time under `widening` (docs/engine.md, "Float32 Q4_1 in 16 lanes,
 // on one thread longer"). Intel's full-width units take it too, timed
-// there in the offline engine only (an Emerald Rapids guest: no loss, and
-// 3-5% less CPU time); 8 lanes, and Zen 4's halves, keep `widening`, untimed.
+// there in the offline engine only (an Emerald Rapids guest: no loss on
+// the whole, on fewer busy cores); 8 lanes, and Zen 4's halves, keep
+// `widening`, untimed.
 int64_t interleaved_min_rows(int64_t macs, SerialMacs serial) {
 #ifdef __AVX512F__
   if (!halves_512()) return macs < serial.lanes16 ? kOneThread : kMinRows;
