@@ -41,10 +41,13 @@ torchao==0.18.0 --no-deps); its paths are skipped without it.
     python benchmarks/quant_linear.py [--rows 1 4 16 64] [--dtype float32] [--rounds 7]
         [--paths int4_ours int4_rows] [--baseline-source OLD.cpp] [--out PATH]
 
-A change to the kernel, before and after in one process:
+A change to the kernel, before and after in one process (the older
+source with its own headers, quant_linear_*.h, beside it; a commit from
+before those headers has the whole kernel in the .cpp):
 
-    git show HEAD~1:engine/csrc/quant_linear.cpp > /tmp/old.cpp
-    python benchmarks/quant_linear.py --baseline-source /tmp/old.cpp --paths int4_ours int4_baseline
+    mkdir -p /tmp/old && git archive HEAD~1 engine/csrc | tar -x -C /tmp/old
+    python benchmarks/quant_linear.py --baseline-source /tmp/old/engine/csrc/quant_linear.cpp \
+        --paths int4_ours int4_baseline
 """
 
 from __future__ import annotations

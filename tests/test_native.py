@@ -102,14 +102,20 @@ def test_every_csrc_file_ships_with_the_package():
     assert unshipped == []
 
 
-def test_the_cache_key_follows_the_source_and_the_shared_headers(tmp_path, monkeypatch):
+@pytest.fixture
+def shared_header(tmp_path, monkeypatch):
+    """native/csrc/ made of one header, helpers.h, defining one()."""
     headers = tmp_path / "headers"
     headers.mkdir()
     header = headers / "helpers.h"
     header.write_text("inline int one() { return 1; }\n")
+    monkeypatch.setattr(native, "HEADERS", headers)
+    return header
+
+
+def test_the_cache_key_follows_the_source_and_the_shared_headers(tmp_path, shared_header):
     source = tmp_path / "kernel.cpp"
     source.write_text('#include "helpers.h"\nint two() { return one() + 1; }\n')
-    monkeypatch.setattr(native, "HEADERS", headers)
 
     key = native.cache_key(source)
     assert native.cache_key(source) == key  # unchanged: the cached build is found
@@ -119,8 +125,32 @@ def test_the_cache_key_follows_the_source_and_the_shared_headers(tmp_path, monke
     source.write_text('#include "helpers.h"\nint two() { return one() + 1; }\n')
     assert native.cache_key(source) == key
 
-    header.write_text("inline int one() { return 2 - 1; }\n")
+    shared_header.write_text("inline int one() { return 2 - 1; }\n")
     assert native.cache_key(source) != key
+
+
+def test_a_kernels_own_headers_are_its_inputs(tmp_path, shared_header):
+    """A header named after a kernel keys its build and is staged with it; a
+    header beside it named after another kernel is that one's alone."""
+    kernels = tmp_path / "csrc"
+    kernels.mkdir()
+    source = kernels / "kernel.cpp"
+    source.write_text('#include "kernel_part.h"\nint three() { return two() + 1; }\n')
+    part = kernels / "kernel_part.h"
+    part.write_text('#include "helpers.h"\ninline int two() { return one() + 1; }\n')
+    other = kernels / "other_part.h"
+    other.write_text("inline int four() { return 4; }\n")
+
+    assert native.inputs(source) == [source, part, shared_header]
+    key = native.cache_key(source)
+    other.write_text("inline int four() { return 2 + 2; }\n")
+    assert native.cache_key(source) == key
+    part.write_text('#include "helpers.h"\ninline int two() { return one() * 2; }\n')
+    assert native.cache_key(source) != key
+
+    build_dir = tmp_path / "build" / "src"
+    native.stage(source, build_dir)
+    assert sorted(path.name for path in build_dir.iterdir()) == ["helpers.h", "kernel.cpp", "kernel_part.h"]
 
 
 def test_a_missing_source_leaves_torch(tmp_path, caplog):
@@ -128,13 +158,9 @@ def test_a_missing_source_leaves_torch(tmp_path, caplog):
     assert "test kernel unavailable" in caplog.text
 
 
-def test_a_second_checkout_stages_onto_the_first_ones_build(tmp_path, monkeypatch):
+def test_a_second_checkout_stages_onto_the_first_ones_build(tmp_path, shared_header):
     """The same source from another path leaves the staged copies as they
     were (ninja then finds nothing to rebuild); a changed one replaces them."""
-    headers = tmp_path / "headers"
-    headers.mkdir()
-    (headers / "helpers.h").write_text("inline int one() { return 1; }\n")
-    monkeypatch.setattr(native, "HEADERS", headers)
     first, second = tmp_path / "a" / "kernel.cpp", tmp_path / "b" / "kernel.cpp"
     for source in (first, second):
         source.parent.mkdir()
