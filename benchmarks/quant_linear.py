@@ -42,10 +42,11 @@ torchao==0.18.0 --no-deps); its paths are skipped without it.
         [--paths int4_ours int4_rows] [--baseline-source OLD.cpp] [--out PATH]
 
 A change to the kernel, before and after in one process (the older
-source with its own headers, quant_linear_*.h, beside it; a commit from
-before those headers has the whole kernel in the .cpp):
+source under its own name, quant_linear.cpp, with its headers,
+quant_linear_*.h, beside it; a commit from before those headers has the
+whole kernel in the .cpp):
 
-    mkdir -p /tmp/old && git archive HEAD~1 engine/csrc | tar -x -C /tmp/old
+    rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD~1 engine/csrc | tar -x -C /tmp/old
     python benchmarks/quant_linear.py --baseline-source /tmp/old/engine/csrc/quant_linear.cpp \
         --paths int4_ours int4_baseline
 """

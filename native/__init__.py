@@ -2,9 +2,9 @@
 
 Each kernel is one C++ source file, in a `csrc/` folder beside the module
 that calls it (engine/csrc/, adapters/ops/csrc/), with its Python bindings at
-its end, and the headers beside it named after it, if it has parts too
-large for one file (quant_linear.cpp and its `quant_linear_*.h`), which no
-other kernel reads. It is compiled on first use by torch.utils.cpp_extension
+its end, and the headers beside it named after it, where it has parts
+too large for one file (`quant_linear_*.h`, `cpu_prefill_*.h`,
+`cpu_decode_tile.h`), which no other kernel reads. It is compiled on first use by torch.utils.cpp_extension
 (which needs a C++ compiler and ninja) in torch's extensions folder
 (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions), from a copy of
 its inputs made there, and found there by later processes. The cache name

@@ -131,7 +131,7 @@ def test_the_cache_key_follows_the_source_and_the_shared_headers(tmp_path, share
 
 def test_a_kernels_own_headers_are_its_inputs(tmp_path, shared_header):
     """A header named after a kernel keys its build and is staged with it; a
-    header beside it named after another kernel is that one's alone."""
+    header beside it named otherwise is not its."""
     kernels = tmp_path / "csrc"
     kernels.mkdir()
     source = kernels / "kernel.cpp"
@@ -151,6 +151,28 @@ def test_a_kernels_own_headers_are_its_inputs(tmp_path, shared_header):
     build_dir = tmp_path / "build" / "src"
     native.stage(source, build_dir)
     assert sorted(path.name for path in build_dir.iterdir()) == ["helpers.h", "kernel.cpp", "kernel_part.h"]
+
+
+def test_each_kernel_header_is_one_kernels_and_every_include_is_staged():
+    """A kernel compiles from its staged inputs alone: each `#include "..."`
+    in them names one of them (a misnamed header, or another kernel's, would
+    fail the build, and the engine would fall back to torch with a warning),
+    and each header beside the kernels is exactly one kernel's own."""
+    sources = [path for package in KERNEL_PACKAGES for path in (ROOT / package).rglob("csrc/*.cpp")]
+    claims: dict[Path, list[str]] = {}
+    for source in sources:
+        inputs = native.inputs(source)
+        names = {path.name for path in inputs}
+        for path in inputs:
+            for included in re.findall(r'^\s*#\s*include\s*"([^"]+)"', path.read_text(), re.MULTILINE):
+                assert included in names, f"{path.name} includes {included}, which {source.name} does not stage"
+        for path in inputs:
+            if path.parent == source.parent and path.suffix == ".h":
+                claims.setdefault(path, []).append(source.name)
+    beside_kernels = {path for source in sources for path in source.parent.glob("*.h")}
+    not_one = {path.name: claims.get(path, []) for path in beside_kernels if len(claims.get(path, [])) != 1}
+    assert not_one == {}, "each header beside the kernels is one kernel's: " + str(not_one)
+    assert len(beside_kernels) >= 9  # quant_linear's five, cpu_prefill's three, cpu_decode's one
 
 
 def test_a_missing_source_leaves_torch(tmp_path, caplog):

@@ -36,7 +36,7 @@ import torch
 import native
 
 ENV_SWITCH = "LORAGW_CPU_PREFILL_KERNEL"
-HEAD_DIMS = (32, 64, 96, 128, 256)  # the builds of cpu_prefill.cpp's dispatch
+HEAD_DIMS = (32, 64, 96, 128, 256)  # the builds of with_head_dim (engine/csrc/cpu_prefill_items.h)
 TILE = 16  # key positions per tile: a block size must be a multiple of it
 # Where idle threads sleep (native/__init__.py), a call over fewer key tiles
 # (16 queries by 16 keys of one head) than this stays on one thread. On 2

@@ -140,7 +140,7 @@ inline void values32(Scratch32& sc, int64_t g, const fv* alpha) {
 }
 
 // The online softmax over head g's scores of the tile (keys key0 ..), lane
-// by lane, as softmax_tile (cpu_prefill_bf16.h): leaves the weights in s
+// by lane, as the bfloat16 build's softmax_tile: leaves the weights in s
 // and sets alpha, the factor that rescales the weighted values so far.
 inline void softmax32(Scratch32& sc, int64_t g, int64_t key0, bool masked, const iv* qpos, float scale, bool first,
                       fv* alpha) {

@@ -15,9 +15,9 @@ namespace {
 // The blocked formats (Q4_1, Q8_0) with bfloat16 activations, where the CPU
 // has AVX512-BF16: a thread dequantizes each weight tile once, to bfloat16, and multiplies it by every
 // token row with bfloat16 dot products (float32 sums of bfloat16 pairs, as
-// oneDNN's bfloat16 GEMM on such a CPU). The per-vector loop (quant_linear_f32.h) widens a weight once
-// per 4 token rows, and once per row for the rows past a multiple of 4, so it
-// lost to oneDNN above 8 rows; this path beats the loop from one row and
+// oneDNN's bfloat16 GEMM on such a CPU). The per-vector loop
+// (quant_linear_f32.h) widens a weight once per 4 token rows, and once per
+// row for the rows past a multiple of 4, so it lost to oneDNN above 8 rows; this path beats the loop from one row and
 // oneDNN up to 32 (docs/engine.md, "Quantization"). The tile holds the same
 // bfloat16 values as the float weights that the larger calls read (each
 // stored value rounded to nearest even), and every row's sum runs in the same

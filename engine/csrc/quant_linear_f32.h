@@ -1,7 +1,8 @@
 // quant_linear.cpp's float paths other than the interleaved Q4_1 copy:
 // the per-vector loop (any format, float32 or bfloat16 activations), the
 // blocked float32 path of AVX2, and the widened 16-row tiles that
-// float32 calls of more than kF32TileRows rows take on AVX-512.
+// float32 calls of more than kF32TileRows rows take on AVX-512; and the
+// blocked formats' per-tile scales, which the int8 path shares.
 #pragma once
 
 #include "quant_linear_formats.h"

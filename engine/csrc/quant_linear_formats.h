@@ -31,18 +31,21 @@ constexpr int kVec = 8;
 constexpr int kTileRowsX4 = 2;
 constexpr int kTileRowsX1 = 8;
 #endif
-// The blocked float32 path (f32_blocks, quant_linear_f32.h) is written for AVX2 and was
-// measured there only; an AVX-512 host keeps the per-vector loop.
+// The blocked float32 path (f32_blocks, quant_linear_f32.h) is written for
+// AVX2 and was measured there only; an AVX-512 host keeps the per-vector
+// loop.
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 #define LORAGW_BLOCKED_F32 1
 #endif
 // Float32 activations rounded to int8 per block of 32 against the blocked
-// formats (int8_blocks, quant_linear_int8.h): any AVX2 host, AVX-512 ones included.
+// formats (int8_blocks, quant_linear_int8.h): any AVX2 host, AVX-512 ones
+// included.
 #if defined(__AVX2__) && defined(__F16C__)
 #define LORAGW_INT8_ACTIVATIONS 1
 #endif
 // Float32 Q4_1 calls on a copy of the weight with its rows interleaved
-// (interleaved_f32, quant_linear_interleaved.h): any AVX2 host, AVX-512 ones included.
+// (interleaved_f32, quant_linear_interleaved.h): any AVX2 host, AVX-512
+// ones included.
 #if defined(__AVX2__) && defined(__F16C__)
 #define LORAGW_Q41_INTERLEAVED 1
 #endif

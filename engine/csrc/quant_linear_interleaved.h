@@ -9,8 +9,8 @@ namespace {
 
 #ifdef LORAGW_Q41_INTERLEAVED
 // Q4_1 with float32 activations on AVX2 and AVX-512, the weight rows
-// interleaved 8 at a time (q4_1_interleave, quant_linear.cpp): lanes run over 8 weight
-// rows (16, two groups, with AVX-512), not along K.
+// interleaved 8 at a time (q4_1_interleave, quant_linear.cpp): lanes run
+// over 8 weight rows (16, two groups, with AVX-512), not along K.
 // A block's k-th weights of the 8 rows come out of one 8-byte load as a
 // vector, d q + m in one fused multiply-add, which is exactly the float
 // weight (d q is exact in float32: 4 bits of q times float16's 11), and

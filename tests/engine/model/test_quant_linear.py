@@ -185,7 +185,7 @@ def test_bfloat16_tiles_stay_on_one_thread_by_the_limit_of_the_path_they_take(ke
 
 
 def _full_width_avx512() -> bool:
-    """What quant_linear.cpp's halves_512 reads from CPUID, from
+    """What halves_512 (quant_linear_interleaved.h) reads from CPUID, from
     /proc/cpuinfo: an AVX-512 CPU but AMD's family 25 (Zen 4), which runs
     512-bit operations in halves."""
     fields = host_cpu.cpu_fields()
@@ -266,7 +266,7 @@ def test_the_bfloat16_tiles_run_on_amx_where_the_host_has_it(kernel):
 
 
 def _interleaved_reference(qw) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q41Interleaved's layout (quant_linear.cpp) built element by element:
+    """Q41Interleaved's layout (quant_linear_interleaved.h), element by element:
     byte (g, b, i, r) is row 8 g + r's block-b byte i, and (g, b, 0 or 1, r)
     its d or m."""
     n, k = qw.shape
@@ -311,7 +311,7 @@ def test_q4_1_reads_its_rows_interleaved_where_the_build_says_so(kernel):
 
 
 def test_float32_q4_1_calls_take_the_panel_from_the_row_count_for_the_host(kernel):
-    """quant_linear.cpp's panel_min_rows, read from CPUID, against
+    """panel_min_rows (quant_linear_interleaved.h), read from CPUID, against
     /proc/cpuinfo: 17 rows on AVX2 and on Zen 4 (AMD's family 25 with
     AVX-512), 9 on other AVX-512 hosts; none where Q4_1 rows are not
     interleaved. Which path a call takes never shows in its output (the
