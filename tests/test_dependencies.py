@@ -22,8 +22,8 @@ PYPROJECT = ROOT / "pyproject.toml"
 # What STYLE.md and docs/architecture.md promise runs without torch: the
 # scheduler and what it is driven by, and what the engine publishes.
 CORE = {
-    "engine.scheduler", "engine.step_update", "engine.kv_cache_manager", "engine.block_pool", "engine.request",
-    "engine.step_io", "engine.sampling_params", "engine.outputs", "engine.snapshot",
+    "engine.scheduler", "engine.premium_room", "engine.step_update", "engine.kv_cache_manager", "engine.block_pool",
+    "engine.request", "engine.step_io", "engine.sampling_params", "engine.outputs", "engine.snapshot",
 }
 
 # Runs in a fresh interpreter: a finder first on sys.meta_path refuses
