@@ -3,12 +3,14 @@
 `PremiumRoom._make_room_for_premium` preempts running standard requests,
 newest first, until the premium request at the head of the queue fits, and
 those behind it as far as the step's tokens reach, so that a burst of
-premium arrivals is seated together rather than one a step. It counts
-blocks, seats, adapter slots and tokens as admission will take them, so that
-nobody is preempted for a request the step then cannot run. Scheduler
-inherits it, as it inherits StepUpdates, and it works on the scheduler's
-state: its queues and running list, KV cache manager, adapter slots and
-speculation policy. Pure Python, as the scheduler is.
+premium arrivals is seated together rather than one a step; where the head
+waits for an adapter slot, it first preempts the sequences of an adapter
+that only standard work uses. It counts blocks, seats, adapter slots and
+tokens as admission will take them, so that nobody is preempted for a
+request behind the head that the step has no tokens or adapter slot for.
+Scheduler inherits it, as it inherits StepUpdates, and it works on the
+scheduler's state: its queues and running list, KV cache manager, adapter
+slots and speculation policy. Pure Python, as the scheduler is.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ if TYPE_CHECKING:
 
 
 class PremiumRoom:
-    def _premium_prompt_in_progress(self) -> bool:
-        return any(r.tier is Tier.PREMIUM and r.num_remaining_tokens > 1 for r in self.running)
-
     def _make_room_for_premium(self, plan: _StepPlan) -> bool:
         """Preempt standard work so that the premium requests waiting now can
         be admitted this step: the head, then those behind it as far as the

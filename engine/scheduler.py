@@ -237,6 +237,9 @@ class Scheduler(PremiumRoom, StepUpdates):
                 return
             self._preempt(victim, plan, caused_by=req.request_id)
 
+    def _premium_prompt_in_progress(self) -> bool:
+        return any(r.tier is Tier.PREMIUM and r.num_remaining_tokens > 1 for r in self.running)
+
     def _tier_order(self) -> tuple[Tier, ...]:
         return (Tier.PREMIUM, Tier.STANDARD) if self.config.enable_tiers else (Tier.STANDARD,)
 

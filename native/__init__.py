@@ -1,18 +1,18 @@
 """Building the engine's small C++ CPU kernels.
 
 Each kernel is one C++ source file, in a `csrc/` folder beside the module
-that calls it (engine/csrc/, adapters/ops/csrc/), with its Python bindings at
-its end, and the headers beside it named after it, where it has parts
-too large for one file (`quant_linear_*.h`, `cpu_prefill_*.h`,
-`cpu_decode_tile.h`), which no other kernel reads. It is compiled on first use by torch.utils.cpp_extension
-(which needs a C++ compiler and ninja) in torch's extensions folder
-(TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions), from a copy of
-its inputs made there, and found there by later processes. The cache name
-is keyed by the source, its own headers, the shared headers of
-native/csrc/, the flags, the host CPU and the torch and Python it compiles
-against: a changed source builds anew, the kernels are built with
--march=native, where a library is only valid on the CPU it was built for,
-and each Python environment keeps its own builds.
+that calls it (engine/csrc/, adapters/ops/csrc/), with its Python bindings
+at its end, and the headers beside it named after it, where it has parts too
+large for one file (`quant_linear_*.h`, `cpu_prefill_*.h`,
+`cpu_decode_tile.h`), which no other kernel reads. It is compiled on first
+use by torch.utils.cpp_extension (which needs a C++ compiler and ninja) in
+torch's extensions folder (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions), from a copy of its inputs made there, and found
+there by later processes. The cache name is keyed by the source, its own
+headers, the shared headers of native/csrc/, the flags, the host CPU and the
+torch and Python it compiles against: a changed source builds anew, the
+kernels are built with -march=native, where a library is only valid on the
+CPU it was built for, and each Python environment keeps its own builds.
 Building takes ~30 s once per kernel, on one core: `load_all` builds the
 kernels side by side (the engine builder calls it on the CPU).
 
