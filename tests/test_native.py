@@ -166,7 +166,6 @@ def test_each_kernel_header_is_one_kernels_and_every_include_is_staged():
         for path in inputs:
             for included in re.findall(r'^\s*#\s*include\s*"([^"]+)"', path.read_text(), re.MULTILINE):
                 assert included in names, f"{path.name} includes {included}, which {source.name} does not stage"
-        for path in inputs:
             if path.parent == source.parent and path.suffix == ".h":
                 claims.setdefault(path, []).append(source.name)
     beside_kernels = {path for source in sources for path in source.parent.glob("*.h")}
