@@ -58,7 +58,8 @@ class PromptEncoder:
 
     def check_structured(self, spec) -> None:
         """Raise ValidationError naming `spec.param` unless the spec compiles
-        and yields a first token mask within llguidance's fuel. Thread-safe;
+        and yields a first token mask and its forced tokens within
+        llguidance's fuel. Thread-safe;
         the llguidance tokenizer (about half a second) is built once."""
         from engine.structured.grammar import check_spec, llguidance_limits, to_llguidance
         from llguidance import LLMatcher
@@ -67,11 +68,21 @@ class PromptEncoder:
         ll_tokenizer = self._llguidance_tokenizer()
         check_spec(spec, ll_tokenizer)
         # Compiling is lazy: a grammar too complex for its fuel shows only
-        # when the first mask is computed. The engine would then allow
-        # nothing but EOS; a 400 says why instead.
+        # when a mask is computed or a token consumed. The engine would then
+        # allow nothing but EOS and end the output there; a 400 says why
+        # instead. The forced tokens are where that shows first (`a{1000000}`
+        # forces 62,501 tokens of "aaaa" and its lexer gives up on them; a
+        # required property whose schema is its object's forces `{"a":{"a":`
+        # ... past the parser's item limit), and consuming them is the work
+        # the engine's first tokens would do anyway. A grammar that runs out
+        # of fuel only after a choice of the model's still ends at EOS.
         matcher = LLMatcher(ll_tokenizer, to_llguidance(spec), log_level=0, limits=llguidance_limits())
         if not matcher.is_error():
             fill_next_token_bitmask(matcher, allocate_token_bitmask(1, ll_tokenizer.vocab_size), 0)
+        if not matcher.is_error():
+            forced = matcher.compute_ff_tokens()
+            if forced:
+                matcher.consume_tokens(forced)
         if matcher.is_error():
             reason = matcher.get_error().strip().splitlines()[0][:300]
             raise ValidationError(spec.param, f"the constraint is too complex to enforce: {reason}")

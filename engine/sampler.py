@@ -23,6 +23,11 @@ children with those ids, and each child keeps drawing from its generator
 (so drop a fork's id only when that fork ends).
 Unseeded requests share the engine-wide generator. Every draw consumes
 exactly one uniform, so a seeded stream never depends on the filters.
+torch's CPU generator (a Mersenne Twister) keeps only the low 32 bits of a
+seed, so seeds 2^32 apart would draw the same: on the CPU the high half is
+mixed into the low one first (`_generator_seed`; a seed below 2^32 is kept
+as it is). 2^32 streams are all there are; this spreads them over all 64
+bits instead of leaving the high half unread.
 
 Cost (up to 256 rows x 49k vocab every step on a small CPU). Penalties and
 min_tokens write only the positions they change. The working copy of the
@@ -54,7 +59,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed & _MASK64)
+        self._generator.manual_seed(_generator_seed(seed & _MASK64, device))
         # fork_request_id(request_id, j) -> generator of a seeded request.
         self._seeded: dict[str, torch.Generator] = {}
         # Reused [rows, V] buffers: slot 0 the working logits, slot 1 a temporary.
@@ -196,7 +201,7 @@ class Sampler:
         gen = self._seeded.get(key)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(_fork_seed(req.sampling_params.seed, index))
+            gen.manual_seed(_generator_seed(_fork_seed(req.sampling_params.seed, index), self.device))
             self._seeded[key] = gen
         return gen
 
@@ -256,6 +261,21 @@ def _fork_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def _generator_seed(seed: int, device: torch.device) -> int:
+    """What torch's generator on `device` is seeded with for a 64-bit seed:
+    on the CPU the low half XOR murmur3's 32-bit finalizer of the high half
+    (which maps 0 to 0, so seeds below 2^32 stay as they are)."""
+    if torch.device(device).type != "cpu":
+        return seed  # CUDA's Philox takes all 64 bits
+    high = seed >> 32
+    high ^= high >> 16
+    high = (high * 0x85EBCA6B) & 0xFFFFFFFF
+    high ^= high >> 13
+    high = (high * 0xC2B2AE35) & 0xFFFFFFFF
+    high ^= high >> 16
+    return (seed & 0xFFFFFFFF) ^ high
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from gateway.auth_cache import AuthCache
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
-from gateway.errors import install_error_handlers
+from gateway.errors import error_response, install_error_handlers
 from gateway.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,14 @@ class Gateway:
 
 class RequestIdMiddleware:
     """Every response carries `x-request-id`: the client's if it sent a sane
-    one, else a fresh one. Pure ASGI so that streaming bodies pass through."""
+    one, else a fresh one. Pure ASGI so that streaming bodies pass through.
+
+    It also answers an unexpected exception's 500 (logged by
+    `error_response`) when no response has started: Starlette's outermost
+    ServerErrorMiddleware would answer without the id and re-raise, and
+    uvicorn then drops the keep-alive connection unannounced, so a client's
+    next request on it fails. An exception after the response started still
+    propagates: that response cannot be finished."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -93,14 +100,23 @@ class RequestIdMiddleware:
         request_id = sent if 0 < len(sent) <= 128 and sent.isprintable() else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
+        started = False
+
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 headers.append((b"x-request-id", request_id.encode("latin-1")))
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send_with_id)
 
 
 def create_app(gateway: Gateway) -> Starlette:

@@ -8,10 +8,9 @@ engine error.
 
 from __future__ import annotations
 
-import json
-
 from engine.structured.spec import StructuredSpec
 from gateway.errors import InvalidRequest
+from gateway.json_body import load_json
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.structured import NamedToolChoice, ResponseFormatParam, StructuredOutputs
 from gateway.tools import ToolPlan, plan_tools
@@ -55,10 +54,7 @@ def _structured_outputs_spec(so: StructuredOutputs) -> StructuredSpec:
         return StructuredSpec.json_object(param)
     schema = so.json_
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError):
-            raise InvalidRequest(f"{param}: not a JSON schema, nor a JSON string of one", param=param) from None
+        schema = load_json(schema, f"{param}, a string,", param)
     return StructuredSpec.json_schema(schema, param)
 
 

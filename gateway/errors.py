@@ -13,7 +13,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from adapters.errors import AdapterError
@@ -114,6 +114,13 @@ class InternalError(APIError):
     pass
 
 
+class ClientClosedRequest(APIError):
+    """The client hung up before its request was read: nobody gets this
+    answer, and nothing failed (nginx's 499, not a 5xx for alerting)."""
+
+    status, type, code = 499, "client_closed_request", "client_closed_request"
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """The API error for any exception; unknown ones become a bare 500."""
     if isinstance(exc, APIError):
@@ -133,9 +140,11 @@ def to_api_error(exc: BaseException) -> APIError:
             log.warning("database unavailable: %s: %s", type(exc).__name__, exc)
         return ServiceUnavailable("the database is unavailable; retry shortly", code="database_unavailable",
                                   headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)})
+    if isinstance(exc, ClientDisconnect):
+        return ClientClosedRequest("the client disconnected before its request was read")
     if isinstance(exc, HTTPException):
         error = {404: ResourceNotFound, 405: InvalidRequest, 401: AuthenticationFailed}.get(exc.status_code, APIError)
-        out = error(exc.detail or "error")
+        out = error(exc.detail or "error", headers=dict(exc.headers or {}))  # a 405's Allow among them
         out.status = exc.status_code
         if exc.status_code == 405:
             out.code = "method_not_allowed"
@@ -158,6 +167,6 @@ def install_error_handlers(app: Starlette) -> None:
     # ServerErrorMiddleware, which re-raises after answering (so the server
     # logs a traceback): keep that path for real 500s only.
     for expected in (APIError, EngineValidationError, AdapterError, NotFound, Conflict, EngineDeadError,
-                     EngineNotReady, HTTPException) + OUTAGE_ERROR_TYPES:
+                     EngineNotReady, HTTPException, ClientDisconnect) + OUTAGE_ERROR_TYPES:
         app.add_exception_handler(expected, handle)
     app.add_exception_handler(Exception, handle)

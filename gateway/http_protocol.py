@@ -7,7 +7,10 @@ h11 refuses a request head (request line plus headers) larger than its
 `max_incomplete_event_size` and says the status should be 431; uvicorn
 answers every parse error with a bare 400. This subclass answers that one
 with 431 and an OpenAI error body, then closes the connection, as it does
-for any other malformed request.
+for any other malformed request. h11 counts only a head still incomplete in
+its buffer: a larger one that arrives whole in one read (the kernel hands
+over up to uvicorn's read size at once) is parsed, so the head of each
+request is measured here too, against the same limit.
 """
 
 from __future__ import annotations
@@ -21,16 +24,33 @@ from gateway.errors import HeaderFieldsTooLarge
 
 
 class _Connection(h11.Connection):
-    """Remembers the status h11 suggests for the last malformed request."""
+    """Remembers the status h11 suggests for the last malformed request, and
+    refuses a whole request head over `max_head_bytes` as h11 refuses an
+    incomplete one."""
 
     error_status = 400
 
+    def __init__(self, our_role, max_head_bytes: int) -> None:
+        super().__init__(our_role, max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+
     def next_event(self):
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request) and _head_bytes(event) > self.max_head_bytes:
+                raise h11.RemoteProtocolError("the request head is over the limit", error_status_hint=431)
+            return event
         except h11.RemoteProtocolError as exc:
             self.error_status = exc.error_status_hint
             raise
+
+
+def _head_bytes(request: h11.Request) -> int:
+    """The head's size on the wire, give or take the blanks h11 strips
+    around header values: "METHOD TARGET HTTP/1.1\r\n", "name: value\r\n"
+    each, and the blank line."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
 
 
 class GatewayH11Protocol(H11Protocol):
@@ -45,7 +65,9 @@ class GatewayH11Protocol(H11Protocol):
         limit = self.config.h11_max_incomplete_event_size
         error = HeaderFieldsTooLarge(f"the request line and headers are over this server's limit of {limit} bytes")
         body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        # A length, not chunks: past a whole head h11 would otherwise chunk the body.
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         for event in (h11.Response(status_code=error.status, headers=headers,
                                     reason=b"Request Header Fields Too Large"), h11.Data(data=body),
                       h11.EndOfMessage()):

@@ -3,11 +3,16 @@
 Python's json module has three traps for untrusted input: nesting deep
 enough to exhaust the recursion limit (a RecursionError), integers past
 `sys.get_int_max_str_digits()` digits (a ValueError), and the non-standard
-constants `NaN`/`Infinity`. It also lets `\\ud800` escapes through as lone
-surrogates, which no UTF-8 encoder (the tokenizer, asyncpg, the JSON
-response echoing a field back) will take. `load_json` refuses all of them
-with a 400, and bounds the nesting depth so that no later validator walks a
-structure deeper than any real request.
+constants `NaN`/`Infinity`. It also lets lone UTF-16 surrogates through,
+which no UTF-8 encoder (the tokenizer, asyncpg, the JSON response echoing a
+field back) will take: as `\\ud800` escapes, and from bytes, which it
+decodes with "surrogatepass" (so CESU-8's ED A0 80 passes) after guessing
+UTF-16 or UTF-32 from the NULs. `load_json` takes only UTF-8 (RFC 8259 for
+JSON exchanged between systems; a leading byte order mark is ignored, as
+the RFC allows), refuses all of the above with a 400, and bounds the
+nesting depth so that no later validator walks a structure deeper than any
+real request. JSON inside a field (a schema sent as a string, a tool call's
+arguments) goes through it too: its escapes are only decoded there.
 """
 
 from __future__ import annotations
@@ -22,25 +27,33 @@ from gateway.errors import InvalidRequest
 # protobuf's JSON parser's 100 or orjson's 1024, not an operator's knob.
 MAX_JSON_DEPTH = 32
 
-# A `\uD800`-`\uDFFF` escape: the only way a surrogate gets into a parsed string.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# A `\uD800`-`\uDFFF` escape: once the text is strict UTF-8, the only way a
+# surrogate gets into a parsed string.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
-def load_json(raw: bytes) -> object:
-    """The parsed body, or InvalidRequest (400) saying what is wrong with it."""
+def load_json(raw: bytes | str, what: str = "the body", param: str | None = None) -> object:
+    """The parsed JSON, or InvalidRequest (400) saying what is wrong with it;
+    `what` names it in the message and `param` in the error."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"{what} is not valid JSON: it is not UTF-8 ({exc})", param=param) from None
+    text = raw.removeprefix("\ufeff")
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
-        raise _too_deep() from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits, NaN
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+        raise _too_deep(what, param) from None
+    except ValueError as exc:  # JSONDecodeError, too many digits, NaN
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}", param=param) from None
     # Counting brackets runs at C speed; only a body with more of them than
     # the bound (a long conversation, or text full of brackets) is walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth_exceeds(body, MAX_JSON_DEPTH):
-        raise _too_deep()
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
-        raise InvalidRequest("the body is not valid JSON: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                             "which is not a Unicode character")
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep(what, param)
+    if _SURROGATE_ESCAPE.search(text) and has_lone_surrogate(body):
+        raise InvalidRequest(f"{what} is not valid JSON: a string holds a lone UTF-16 surrogate "
+                             "(\\ud800-\\udfff), which is not a Unicode character", param=param)
     return body
 
 
@@ -48,8 +61,9 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
-def _too_deep() -> InvalidRequest:
-    return InvalidRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects")
+def _too_deep(what: str, param: str | None) -> InvalidRequest:
+    return InvalidRequest(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects",
+                          param=param)
 
 
 def _children(value: object):
@@ -70,7 +84,8 @@ def _depth_exceeds(body: object, limit: int) -> bool:
     return False
 
 
-def _has_lone_surrogate(body: object) -> bool:
+def has_lone_surrogate(body: object) -> bool:
+    """Whether a string anywhere in `body`, a key included, holds one."""
     stack = [body]
     while stack:
         value = stack.pop()

@@ -147,8 +147,11 @@ class ResponseFormat:
             token = self.spell(lp.token_id)
             out.tokens.append(token)
             out.token_logprobs.append(_finite(lp.logprob))
-            out.top_logprobs.append({self.spell(tid): _finite(v) for tid, v in lp.top_logprobs}
-                                    or {token: _finite(lp.logprob)})
+            # OpenAI's legacy completions: the N most likely and always the
+            # sampled token, so up to N + 1 entries (vLLM's shape too).
+            top = {self.spell(tid): _finite(v) for tid, v in lp.top_logprobs}
+            top.setdefault(token, _finite(lp.logprob))
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(token)
         return out

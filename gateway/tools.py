@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from engine.structured.spec import StructuredSpec
 from engine.chat_template import ChatFeatures
+from gateway.errors import InvalidRequest
+from gateway.json_body import has_lone_surrogate, load_json
 from gateway.schemas.openai import ChatMessage
 from gateway.schemas.structured import FunctionCall, NamedToolChoice, Tool, ToolCall
 
@@ -84,16 +86,25 @@ class ToolReader:
 
 
 def _loads(text: str) -> object:
+    """The JSON value of an output's text, or None where it holds none that
+    can be sent on: a `\\ud800` escape the grammar let through would be a
+    lone surrogate, which the answer's UTF-8 cannot carry."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError):
         return None
+    return None if has_lone_surrogate(value) else value
 
 
 def _arguments(text: str) -> object:
     """A call's arguments as a value when they are a JSON object (what
-    templates and the `<tool_call>` text want), else as the text sent."""
-    value = _loads(text)
+    templates and the `<tool_call>` text want), else as the text sent. They
+    come from a request, so load_json's rules apply: a lone surrogate or a
+    nesting too deep leaves them as text."""
+    try:
+        value = load_json(text)
+    except InvalidRequest:
+        return text
     return value if isinstance(value, dict) else text
 
 

@@ -84,7 +84,8 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
     gw = gateway_of(request)
     if model == gw.served_model_name:
         return None
-    not_found = ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.",
+    shown = model if len(model) <= 128 else f"{model[:128]}..."  # a long name is not echoed back whole
+    not_found = ModelNotFound(f"The model '{shown}' does not exist or you do not have access to it.",
                               param="model")
     registry = gw.registry
     if registry is None:

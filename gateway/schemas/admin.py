@@ -1,7 +1,8 @@
 """Request and response bodies of the admin API (and of `loragw ... --json`).
 
-Inputs forbid unknown fields; `parse` turns a pydantic error into a 400
-whose `param` names the offending field. Outputs are what both the admin
+Inputs forbid unknown fields, and their numbers are integers as sent
+(`"5"`, `5.0` and `true` are 400s, as in /v1); `parse` turns a pydantic
+error into a 400 whose `param` names the offending field. Outputs are what both the admin
 API and the CLI print, so the two can never disagree.
 """
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (AwareDatetime, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
+from pydantic import (AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator,
                       model_validator)
 
 from gateway.errors import InvalidRequest
-from gateway.schemas.text import StoredText
+from gateway.schemas.text import stored_text
 from gateway.tenancy import Tier
 
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
@@ -23,7 +24,8 @@ ADAPTER_NAME_PATTERN = r"^(?!.*\.\.)[a-z0-9][a-z0-9._-]{0,63}$"  # adapters.regi
 ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]*)?$"  # NAME or NAME@VERSION
 # The limits are INTEGER columns (store.models.TenantRow): 32 bits on PostgreSQL.
 MAX_LIMIT = 2**31 - 1
-Limit = Annotated[PositiveInt | None, Field(le=MAX_LIMIT, description="None (null) means unlimited")]
+Limit = Annotated[Annotated[StrictInt, Field(gt=0, le=MAX_LIMIT)] | None,
+                  Field(description="None (null) means unlimited")]
 # A key's lifetime is bounded so that now + expires_in stays a datetime.
 MAX_KEY_LIFETIME_S = 100 * 365 * 86_400
 
@@ -74,9 +76,10 @@ class KeyCreate(_In):
         "required": ["expires_at", "expires_in"],
         "properties": {"expires_at": {"type": "string"}, "expires_in": {"type": "integer"}}}})
 
-    name: Annotated[StoredText, Field(min_length=1, max_length=128)] | None = None
+    name: stored_text(min_length=1, max_length=128) | None = None
     expires_at: AwareDatetime | None = None
-    expires_in: PositiveInt | None = Field(default=None, le=MAX_KEY_LIFETIME_S, description="seconds from now")
+    expires_in: Annotated[StrictInt, Field(gt=0, le=MAX_KEY_LIFETIME_S)] | None = Field(
+        default=None, description="seconds from now")
 
     @field_validator("expires_at")
     @classmethod

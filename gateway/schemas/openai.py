@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from gateway.schemas.structured import (
@@ -28,7 +28,7 @@ from gateway.schemas.structured import (
     ToolCallDelta,
     ToolChoice,
 )
-from gateway.schemas.text import StoredText
+from gateway.schemas.text import StoredText, stored_text
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 256  # each stop string is matched against the output text every step
@@ -68,6 +68,12 @@ def _list(items: dict, *, min_items: int = 1, max_items: int | None = None) -> d
     return out if max_items is None else {**out, "maxItems": max_items}
 
 
+def _one_of(value: object, choices: tuple) -> bool:
+    """`value in choices` with types as strict as the fields': Python has
+    True == 1 == 1.0 and 0 == False, so `"best_of": true` would pass as 1."""
+    return any(type(value) is type(choice) and value == choice for choice in choices)
+
+
 class StreamOptions(BaseModel):
     model_config = _REQUEST
     include_usage: bool = False
@@ -94,11 +100,11 @@ class _SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: StoredText | None = Field(None, max_length=256)
+    user: stored_text(max_length=256) | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Not in OpenAI's API; vLLM's names.
-    top_k: int | None = Field(None, ge=-1, description="non-standard; 0 or -1 turns top-k off")
+    top_k: int | None = Field(None, ge=-1, lt=_INT64, description="non-standard; 0 or -1 turns top-k off")
     min_tokens: int | None = Field(None, ge=0, description="non-standard")
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="non-standard")
     structured_outputs: StructuredOutputs | None = Field(
@@ -108,7 +114,7 @@ class _SamplingRequest(BaseModel):
     def unsupported_field(cls, body: dict) -> str | None:
         """The first field of a raw body that asks for something we cannot do."""
         return next((name for name, no_ops in cls.UNSUPPORTED.items()
-                     if name in body and body[name] not in no_ops), None)
+                     if name in body and not _one_of(body[name], no_ops)), None)
 
     _stop_count = _at_most("stop", MAX_STOP, "stop sequences")
 
@@ -150,7 +156,14 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = _REQUEST
+    # `_what_each_role_needs`, stated in /openapi.json too.
+    model_config = ConfigDict(**_REQUEST, json_schema_extra={"allOf": [
+        {"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                   {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                               "tool_calls": {"type": "array", "minItems": 1}}}]},
+        {"anyOf": [{"properties": {"role": {"not": {"const": "tool"}}}},
+                   {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]},
+    ]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | _list_of(ContentPart) | None = None
     name: str | None = None
@@ -166,6 +179,18 @@ class ChatMessage(BaseModel):
         if value and info.data.get("role") != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return value
+
+    @model_validator(mode="after")
+    def _what_each_role_needs(self) -> ChatMessage:
+        """OpenAI's rules: only an assistant's turn may leave out content,
+        and then it makes tool calls; a tool's answers a call by its id."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            needs = "content or tool_calls" if self.role == "assistant" else "content"
+            article = "an" if self.role == "assistant" else "a"
+            raise ValueError(f"{article} {self.role} message needs {needs}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _REQUEST = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
@@ -67,11 +67,26 @@ class FunctionDefinition(BaseModel):
     model_config = _REQUEST
     name: ToolName
     description: str | None = None
-    parameters: JsonObject | None = Field(None, description='default {"type":"object","properties":{}}')
+    parameters: JsonObject | None = Field(None, description='a JSON schema of type "object"; default '
+                                                            '{"type":"object","properties":{}}')
     strict: bool | None = Field(None, description="ignored: the parameters schema is always enforced")
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, value: JsonObject | None) -> JsonObject | None:
+        """A call's arguments are a JSON object (OpenAI's `tool_calls`), so
+        a schema of another type could never make one: refused, as OpenAI
+        does."""
+        if value is not None and "type" in value and value["type"] != "object":
+            raise ValueError(f'must be a JSON schema of type "object", got type {value["type"]!r}')
+        return value
+
     def parameters_schema(self) -> JsonObject:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        """The schema the arguments are held to; one that names no type (a
+        bare `properties`, or `{}`) is taken as an object's."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}}
+        return self.parameters if "type" in self.parameters else {"type": "object", **self.parameters}
 
 
 class Tool(BaseModel):

@@ -25,4 +25,12 @@ def refuse_nul(value: str) -> str:
 
 # The pattern only documents the rule in /openapi.json; the validator, with
 # its plainer message, enforces it.
-StoredText = Annotated[str, AfterValidator(refuse_nul), Field(json_schema_extra={"pattern": "^[^\\u0000]*$"})]
+_NO_NUL = (AfterValidator(refuse_nul), Field(json_schema_extra={"pattern": "^[^\\u0000]*$"}))
+StoredText = Annotated[str, *_NO_NUL]
+
+
+def stored_text(min_length: int | None = None, max_length: int | None = None):
+    """StoredText of a bounded length. The bounds go on the str before the
+    validator: after it, pydantic checks them as a generic length and says
+    "items" instead of "characters"."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), *_NO_NUL]

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import Sampler, fork_request_id
+from engine.sampler import Sampler, _generator_seed, fork_request_id
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledRequest
 
@@ -110,6 +110,20 @@ def test_different_seeds_differ_and_unseeded_use_the_engine_generator():
     assert run(1) != run(2)
     assert run(None, engine_seed=7) == run(None, engine_seed=7)
     assert run(None, engine_seed=7) != run(None, engine_seed=8)
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_differently():
+    """torch's CPU generator reads 32 bits of a seed; the sampler mixes the
+    high half in, and leaves a seed below 2^32 as torch would take it."""
+    logits = torch.zeros(1, 1000)
+
+    def run(seed: int) -> list[int]:
+        sampler = Sampler(CPU, seed=0)
+        return [tokens_of(sampler.sample(logits, [make_request("r", seed=seed)]), "r")[0] for _ in range(20)]
+
+    assert len({tuple(run(s)) for s in (0, 2**32, -2**63, 1, 2**32 + 1, -1, 2**32 - 1, 2**63 - 1)}) == 8
+    # Below 2^32 the generator gets the seed itself, so those seeds draw what they always did.
+    assert [_generator_seed(s, CPU) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
 
 
 def test_n_samples_use_their_own_forks_and_children_continue_them():

@@ -82,6 +82,17 @@ def test_oversized_header_is_431_and_the_server_survives(live):
     assert completion_works(live)
 
 
+@pytest.mark.parametrize("over", [1024, 40_000])
+def test_a_head_over_the_limit_that_arrives_whole_is_431(live, over):
+    """h11 measures only a head still incomplete in its buffer; one just over
+    the limit, sent in one write, reaches the server in one read."""
+    limit = live.gateway.config.max_header_bytes
+    answer = raw_exchange(live, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (limit + over) + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_header_fields_too_large"
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
 def test_100mb_body_is_413_and_the_server_survives(live):
     # Declared: answered before the body is sent.
     answer = raw_exchange(live, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n")

@@ -84,6 +84,25 @@ def test_lone_surrogate_is_a_bad_request(client, path):
 
 
 @pytest.mark.parametrize("path", [*V1, "/admin/tenants"])
+@pytest.mark.parametrize("encode", [
+    lambda text: text.encode("utf-8", "surrogatepass"),  # CESU-8: the surrogate's own three bytes
+    lambda text: text.encode("utf-16", "surrogatepass"),
+], ids=["cesu-8", "utf-16"])
+def test_a_body_that_is_not_utf_8_is_a_bad_request(client, path, encode):
+    """json.loads would take both (it guesses UTF-16 from the NULs, and
+    passes surrogates through): a lone surrogate could then reach an
+    encoder, and RFC 8259 has JSON between systems in UTF-8."""
+    raw = encode('{"model": "m", "name": "a\ud800b", "prompt": "x", "messages": []}')
+    assert_error(post_raw(client, path, raw), 400, "UTF-8")
+
+
+def test_a_leading_byte_order_mark_is_ignored(client):
+    raw = b'\xef\xbb\xbf' + json.dumps({"name": "bom"}).encode()
+    assert post_raw(client, "/admin/tenants", raw).status_code == 201
+    assert "bom" in [t["name"] for t in client.get("/admin/tenants", headers=ADMIN).json()["data"]]
+
+
+@pytest.mark.parametrize("path", [*V1, "/admin/tenants"])
 @pytest.mark.parametrize("raw", [b'{"temperature": NaN}', b'{"temperature": Infinity}',
                                  b'{"seed": ' + b"9" * 5000 + b"}"], ids=["nan", "infinity", "5000-digits"])
 def test_non_json_numbers_are_a_bad_request(client, path, raw):
@@ -102,6 +121,14 @@ def test_admin_integers_past_their_column_are_a_bad_request(client, field, value
     created = make_tenant(client, f"edge-{field.replace('_', '-')}", limits={field: MAX_LIMIT})
     assert created["limits"][field] == MAX_LIMIT
     assert getattr(call_store(client, "get_tenant", created["name"]).limits, field) == MAX_LIMIT
+
+
+@pytest.mark.parametrize("value", ["5", 5.0, True])
+def test_admin_integers_are_integers_as_sent(client, value):
+    assert_error(client.post("/admin/tenants", json={"name": "typed", "limits": {"max_concurrent": value}},
+                             headers=ADMIN), 400, param="limits.max_concurrent")
+    assert_error(client.post("/admin/tenants/acme/keys", json={"expires_in": value}, headers=ADMIN), 400,
+                 param="expires_in")
 
 
 @pytest.mark.parametrize("body, param", [

@@ -135,6 +135,13 @@ def test_completion_logprobs(live):
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # The sampled token is always among them, so 2 or 3 entries (OpenAI's
+    # "up to logprobs + 1"): at temperature 2 a sampled token is often
+    # outside the top 2, and then it is the third.
+    sampled = complete(live, max_tokens=16, logprobs=2, temperature=2.0, seed=3).choices[0].logprobs
+    for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs, strict=True):
+        assert top[token] == pytest.approx(logprob) and len(top) in (2, 3)
+    assert any(len(top) == 3 for top in sampled.top_logprobs)
 
 
 def test_token_id_prompt(live):

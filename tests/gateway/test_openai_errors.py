@@ -6,6 +6,9 @@ draining, aborts when a client hangs up.
 
 from __future__ import annotations
 
+import json
+import logging
+import socket
 import threading
 import time
 
@@ -63,6 +66,7 @@ def test_another_tenants_adapter_is_not_found_like_an_unknown_model(live):
     ({"top_p": 0}, "top_p"),
     ({"logprobs": 21}, "logprobs"),
     ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # more than max_tokens
+    ({"extra_body": {"top_k": 2**64}}, "top_k"),  # past the engine's 64-bit wire
     ({"echo": True}, "echo"),
     ({"prompt": [[1, 2], [3]]}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
@@ -80,6 +84,10 @@ def test_invalid_completion_requests_are_bad_requests(live, kwargs, param):
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0]"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": None}]}, "messages[1]"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "5"}]}, "messages[1]"),
     ({"n": 17}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
@@ -107,6 +115,15 @@ def test_bad_json_and_wrong_types_are_bad_requests(live):
         r = httpx.post(f"{live.url}/v1/completions", content=body, headers=headers)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error"
+    # The no-op values of fields we do not implement are as strict as any field's type.
+    for field, value in (("best_of", True), ("best_of", 1.0), ("echo", 0), ("echo", 0.0)):
+        r = httpx.post(f"{live.url}/v1/completions", headers=headers,
+                       json={"model": live.model, "prompt": "x", "max_tokens": 1, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+    for field, value in (("best_of", 1), ("echo", False)):
+        r = httpx.post(f"{live.url}/v1/completions", headers=headers,
+                       json={"model": live.model, "prompt": "x", "max_tokens": 1, field: value})
+        assert r.status_code == 200, (field, value, r.text)
 
 
 def test_admission_rejection_is_a_rate_limit_error_with_retry_after(live):
@@ -187,6 +204,62 @@ def test_every_response_has_a_request_id(live):
         assert len(r.headers.get("x-request-id", "")) >= 16, (method, path, r.status_code)
     r = httpx.get(f"{live.url}/health", headers={"x-request-id": "trace-abc-123"})
     assert r.headers["x-request-id"] == "trace-abc-123"
+
+
+def _exchange(sock, request: bytes) -> tuple[bytes, bytes]:
+    """One request and its whole answer (a Content-Length body) on `sock`."""
+    sock.sendall(request)
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(65536)
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def test_an_unexpected_error_is_a_500_with_a_request_id_on_a_connection_that_stays_open(live, monkeypatch, caplog):
+    """Starlette's last-resort handler answers without the middleware's
+    request id and re-raises, after which uvicorn drops the connection
+    unannounced; the gateway answers such a 500 itself."""
+    def broken(prompt):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(live.gateway.engine, "tokenize", broken)
+    body = json.dumps({"model": live.model, "prompt": PROMPT, "max_tokens": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Authorization: Bearer " + live.keys["acme"].encode() + b"\r\nContent-Length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head, answer = _exchange(sock, request)
+        assert head.startswith(b"HTTP/1.1 500 ") and b"x-request-id: " in head.lower(), head
+        assert json.loads(answer)["error"]["code"] == "internal_error"
+        assert b"connection: close" not in head.lower()
+        monkeypatch.undo()
+        head, answer = _exchange(sock, request)  # the same connection
+        assert head.startswith(b"HTTP/1.1 200 "), head
+    assert any("unhandled error" in r.getMessage() for r in caplog.records)
+
+
+def test_a_disallowed_method_is_a_405_that_says_which_are_allowed(live):
+    r = httpx.get(f"{live.url}/v1/completions", headers={"Authorization": f"Bearer {live.keys['acme']}"})
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_error(live, caplog):
+    """Content-Length promises more than is sent, then the client closes:
+    a 499 nobody reads, not an unhandled error in the logs."""
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + live.keys["acme"].encode()
+                     + b"\r\nContent-Length: 100\r\n\r\n" + b'{"model": ')
+    time.sleep(1.0)  # the server sees the hang-up within milliseconds; nothing marks its end from here
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert httpx.get(f"{live.url}/health").status_code == 200
 
 
 def test_health_ready_and_openapi(live):

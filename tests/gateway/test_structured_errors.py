@@ -12,6 +12,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from tests.gateway.structured_live import CHAT as CHAT_TURN
 from tests.gateway.structured_live import TIME, TOOLS, chat, post, structured_gateway
 
 FUEL_GRAMMAR = "\n".join(["start: r0", *(f'r{i}: r{i + 1} r{i + 1} | "x"' for i in range(2000)), 'r2000: "y"'])
@@ -51,10 +52,16 @@ def live(tiny_llama_dir, tmp_path_factory):
     ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"grammar": FUEL_GRAMMAR}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": '{"type": "string", "const": "\\ud800"}'}}, "structured_outputs.json"),
+    # Too complex only once their forced tokens are consumed.
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex"),
+    ({"response_format": _schema_format({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})},
+     "response_format.json_schema.schema"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"tools": [_tool("f", {"type": "wat"})]}, "tools[0].function.parameters"),
+    ({"tools": [_tool("f", {"type": "string"})], "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"tools": [TIME, _tool("g", {"properties": {"a": {"type": "wat"}}})]}, "tools[1].function.parameters"),
     ({"tools": [_tool("bad name")]}, "tools[0].function.name"),
     ({"tools": [_tool("f"), _tool("f")]}, "tools"),
@@ -87,6 +94,31 @@ def test_a_normal_request_still_works_after_the_refusals(live):
     r = chat(live, response_format={"type": "json_object"}, max_tokens=2)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
     assert chat(live).status_code == 200
+
+
+def test_json_inside_a_field_holding_a_lone_surrogate_is_sent_on_as_text(live):
+    """An earlier call's arguments are JSON text; where their escapes make a
+    lone surrogate, no encoder downstream (the tokenizer) takes the value,
+    so the text goes into the prompt as it came (pure ASCII)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "\\ud800"}'}}
+    messages = [*CHAT_TURN, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    r = chat(live, messages=messages, tools=TOOLS)
+    assert r.status_code == 200, r.text
+
+
+def test_a_tool_schema_that_names_no_type_is_an_objects(live):
+    """Clients often send only `properties`: the arguments are held to them
+    as an object's, and come back as a call."""
+    tool = _tool("set_level", {"properties": {"level": {"enum": [1, 2]}}, "required": ["level"],
+                               "additionalProperties": False})
+    r = chat(live, tools=[tool], tool_choice="required", max_tokens=40)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "set_level"
+    assert json.loads(call["function"]["arguments"]) in ({"level": 1}, {"level": 2})
 
 
 # ---- fuzz ----
