@@ -59,8 +59,8 @@ class PromptEncoder:
     def check_structured(self, spec) -> None:
         """Raise ValidationError naming `spec.param` unless the spec compiles
         and yields a first token mask and its forced tokens within
-        llguidance's fuel. Thread-safe;
-        the llguidance tokenizer (about half a second) is built once."""
+        llguidance's fuel. Thread-safe; the llguidance tokenizer (about half
+        a second) is built once."""
         from engine.structured.grammar import check_spec, llguidance_limits, to_llguidance
         from llguidance import LLMatcher
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask

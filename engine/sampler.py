@@ -25,9 +25,11 @@ Unseeded requests share the engine-wide generator. Every draw consumes
 exactly one uniform, so a seeded stream never depends on the filters.
 torch's CPU generator (a Mersenne Twister) keeps only the low 32 bits of a
 seed, so seeds 2^32 apart would draw the same: on the CPU the high half is
-mixed into the low one first (`_generator_seed`; a seed below 2^32 is kept
-as it is). 2^32 streams are all there are; this spreads them over all 64
-bits instead of leaving the high half unread.
+mixed into the low one first (`_generator_seed`). 2^32 streams are all
+there are; this spreads them over all 64 bits instead of leaving the high
+half unread. A seed below 2^32 draws its first sample as before; samples 1
+to n - 1 of a seeded n > 1 request, whose fork seeds use all 64 bits, draw
+other streams than before this mixing.
 
 Cost (up to 256 rows x 49k vocab every step on a small CPU). Penalties and
 min_tokens write only the positions they change. The working copy of the

@@ -163,9 +163,11 @@ def install_error_handlers(app: Starlette) -> None:
         return error_response(exc)
 
     # Expected errors go to Starlette's ExceptionMiddleware, which answers
-    # and is done. A handler for bare `Exception` runs in
-    # ServerErrorMiddleware, which re-raises after answering (so the server
-    # logs a traceback): keep that path for real 500s only.
+    # and is done. Anything else propagates to RequestIdMiddleware
+    # (gateway/app.py), which answers the 500 with `error_response` (that
+    # logs the traceback) on a connection that stays open. The handler for
+    # bare `Exception` runs in ServerErrorMiddleware, outside it, only if
+    # that answer itself fails.
     for expected in (APIError, EngineValidationError, AdapterError, NotFound, Conflict, EngineDeadError,
                      EngineNotReady, HTTPException, ClientDisconnect) + OUTAGE_ERROR_TYPES:
         app.add_exception_handler(expected, handle)

@@ -29,6 +29,9 @@ class _Connection(h11.Connection):
     incomplete one."""
 
     error_status = 400
+    # A whole head refused after h11 parsed it: the answer to a HEAD request
+    # has no body, and h11 will not send one.
+    refused_head_request = False
 
     def __init__(self, our_role, max_head_bytes: int) -> None:
         super().__init__(our_role, max_head_bytes)
@@ -38,6 +41,7 @@ class _Connection(h11.Connection):
         try:
             event = super().next_event()
             if isinstance(event, h11.Request) and _head_bytes(event) > self.max_head_bytes:
+                self.refused_head_request = event.method == b"HEAD"
                 raise h11.RemoteProtocolError("the request head is over the limit", error_status_hint=431)
             return event
         except h11.RemoteProtocolError as exc:
@@ -68,8 +72,9 @@ class GatewayH11Protocol(H11Protocol):
         # A length, not chunks: past a whole head h11 would otherwise chunk the body.
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
-        for event in (h11.Response(status_code=error.status, headers=headers,
-                                    reason=b"Request Header Fields Too Large"), h11.Data(data=body),
-                      h11.EndOfMessage()):
+        events = [h11.Response(status_code=error.status, headers=headers, reason=b"Request Header Fields Too Large")]
+        if not self.conn.refused_head_request:
+            events.append(h11.Data(data=body))
+        for event in (*events, h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()

@@ -148,7 +148,9 @@ class ResponseFormat:
             out.tokens.append(token)
             out.token_logprobs.append(_finite(lp.logprob))
             # OpenAI's legacy completions: the N most likely and always the
-            # sampled token, so up to N + 1 entries (vLLM's shape too).
+            # sampled token, so up to N + 1 entries (vLLM's shape too). Keyed
+            # by text, so a sampled token that decodes like one of the N
+            # (byte pieces of a character all read "\ufffd") shares its entry.
             top = {self.spell(tid): _finite(v) for tid, v in lp.top_logprobs}
             top.setdefault(token, _finite(lp.logprob))
             out.top_logprobs.append(top)

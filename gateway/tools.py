@@ -46,7 +46,10 @@ def new_call_id() -> str:
 
 
 def compact_json(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    if has_lone_surrogate(text):  # a `\ud800` the grammar let through: kept escaped, as the model wrote it
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":"))
+    return text
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,10 @@ class ToolReader:
 
 
 def _loads(text: str) -> object:
-    """The JSON value of an output's text, or None where it holds none that
-    can be sent on: a `\\ud800` escape the grammar let through would be a
-    lone surrogate, which the answer's UTF-8 cannot carry."""
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except (ValueError, RecursionError):
         return None
-    return None if has_lone_surrogate(value) else value
 
 
 def _arguments(text: str) -> object:

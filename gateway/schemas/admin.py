@@ -2,8 +2,8 @@
 
 Inputs forbid unknown fields, and their numbers are integers as sent
 (`"5"`, `5.0` and `true` are 400s, as in /v1); `parse` turns a pydantic
-error into a 400 whose `param` names the offending field. Outputs are what both the admin
-API and the CLI print, so the two can never disagree.
+error into a 400 whose `param` names the offending field. Outputs are what
+both the admin API and the CLI print, so the two can never disagree.
 """
 
 from __future__ import annotations

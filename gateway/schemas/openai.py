@@ -161,8 +161,6 @@ class ChatMessage(BaseModel):
         {"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
                    {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
                                                                "tool_calls": {"type": "array", "minItems": 1}}}]},
-        {"anyOf": [{"properties": {"role": {"not": {"const": "tool"}}}},
-                   {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]},
     ]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | _list_of(ContentPart) | None = None
@@ -182,14 +180,14 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _what_each_role_needs(self) -> ChatMessage:
-        """OpenAI's rules: only an assistant's turn may leave out content,
-        and then it makes tool calls; a tool's answers a call by its id."""
+        """OpenAI's rule: only an assistant's turn may leave out content,
+        and then it makes tool calls. (A tool message without its
+        tool_call_id stays accepted, as vLLM accepts it: nothing here needs
+        the id.)"""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             needs = "content or tool_calls" if self.role == "assistant" else "content"
             article = "an" if self.role == "assistant" else "a"
             raise ValueError(f"{article} {self.role} message needs {needs}")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
     def text(self) -> str:

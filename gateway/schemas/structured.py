@@ -78,7 +78,7 @@ class FunctionDefinition(BaseModel):
         a schema of another type could never make one: refused, as OpenAI
         does."""
         if value is not None and "type" in value and value["type"] != "object":
-            raise ValueError(f'must be a JSON schema of type "object", got type {value["type"]!r}')
+            raise ValueError(f'must be a JSON schema of type "object", got type {repr(value["type"])[:100]}')
         return value
 
     def parameters_schema(self) -> JsonObject:

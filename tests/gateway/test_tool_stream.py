@@ -49,3 +49,15 @@ def test_named_call_streams_arguments_after_an_opening_delta():
     (rest,) = second.delta.tool_calls
     assert rest.id is None and rest.function.name is None and rest.function.arguments == ":1}"
     assert second.finish_reason == "tool_calls"
+
+
+def test_a_call_whose_arguments_escape_a_lone_surrogate_stays_a_call_that_encodes():
+    """JSON output may hold `\\ud800`: parsed, that is a lone surrogate, which
+    no UTF-8 answer carries; re-encoded it stays escaped, in every mode."""
+    escaped = '{"a":"\\ud800"}'
+    for reader, text in ((ToolReader(ToolMode.REQUIRED), f'{{"name":"f","arguments":{escaped}}}'),
+                         (ToolReader(ToolMode.AUTO), f'<tool_call>{{"name":"f","arguments":{escaped}}}</tool_call>'),
+                         (ToolReader(ToolMode.NAMED, "f"), escaped)):
+        call = reader.parse(text)
+        assert call is not None and call.name == "f", reader
+        assert call.arguments == escaped and call.arguments.encode("utf-8")
