@@ -74,11 +74,13 @@ class ResponseFormat:
 
     def _chat_choice(self, c: CompletionOutput) -> ChatChoice:
         call = self.tools.call_in(c.text, c.finish_reason) if self.tools is not None else None
+        finish = "tool_calls" if call is not None else c.finish_reason
+        if call is None and self.tools is not None:
+            call = self.tools.cut_call(c.text, c.finish_reason)
         if call is None:
-            message, finish = AssistantMessage(content=c.text), c.finish_reason
+            message = AssistantMessage(content=c.text)
         else:
             message = AssistantMessage(content=None, tool_calls=[ToolCall(id=new_call_id(), function=call)])
-            finish = "tool_calls"
         return ChatChoice(index=c.index, message=message, finish_reason=finish,
                           logprobs=self._chat_logprobs(c.logprobs))
 
@@ -93,9 +95,13 @@ class ResponseFormat:
 
     def delta_chunk(self, c: CompletionOutput, text_offset: int) -> dict | None:
         """The chunk for one choice's delta (engine/outputs.py), or None while
-        a possible tool call is held back (gateway/tool_stream.py).
-        `text_offset` is how much of this choice's text earlier chunks
-        carried (for completion logprobs)."""
+        a possible tool call is held back (gateway/tool_stream.py), and for a
+        delta that carries nothing: text held while a stop string may still
+        match it (vLLM sends no such chunk either; a client counting chunks
+        as tokens would count them). `text_offset` is how much of this
+        choice's text earlier chunks carried (for completion logprobs)."""
+        if not c.text and c.finish_reason is None and not c.logprobs:
+            return None
         if self.chat and self.tools is not None:
             stream = self._tool_streams.setdefault(c.index, ToolCallStream(self.tools))
             piece = stream.feed(c)

@@ -80,6 +80,16 @@ class ToolReader:
         its own ("stop"); one cut by max_tokens is content, as OpenAI has it."""
         return self.parse(text) if finish_reason == "stop" else None
 
+    def cut_call(self, text: str, finish_reason: str | None) -> FunctionCall | None:
+        """A named call that `call_in` does not take (cut by max_tokens or a
+        stop string): its arguments so far, still a call of that function.
+        Its stream sent them as the call's deltas, and OpenAI and vLLM
+        return a named call so; under "required" and "auto" the name may be
+        cut too, so such an output is content."""
+        if self.mode is ToolMode.NAMED and finish_reason is not None:
+            return FunctionCall(name=self.function, arguments=text)
+        return None
+
     def may_be_call(self, prefix: str) -> bool:
         """Whether an output that starts with `prefix` may still be a call:
         under "auto" a streamed text that cannot be one is sent as it comes."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
+"""The OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models (and one model).
 
 Every completion takes the same path:
   auth -> the tier queue's and the tenant's limits (429) -> read the body (413) -> parse (400)
@@ -16,6 +16,7 @@ import uuid
 from typing import Callable
 
 from anyio import to_thread
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -42,6 +43,7 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     ]
 
 
@@ -55,6 +57,24 @@ async def completions(request: Request) -> Response:
 
 async def list_models(request: Request) -> JSONResponse:
     principal = await require_principal(request)
+    return JSONResponse(ModelList(data=await _model_cards(request, principal)).model_dump(mode="json"))
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    """One card of the list (the SDK's `models.retrieve`); anything not in
+    it is the completions' 404, so it reveals no more than they do."""
+    model = request.path_params["model"]
+    if not model:  # `/v1/models/`: a stray slash is an unknown path, as everywhere else
+        raise HTTPException(status_code=404)
+    principal = await require_principal(request)
+    card = next((c for c in await _model_cards(request, principal) if c.id == model), None)
+    if card is None:
+        raise model_not_found(model)
+    return JSONResponse(card.model_dump(mode="json"))
+
+
+async def _model_cards(request: Request, principal: Principal) -> list[ModelCard]:
+    """The base model and the adapters `principal`'s tenant may use."""
     gw = gateway_of(request)
     base = gw.served_model_name
     created = int(gw.wall_clock().timestamp())
@@ -70,11 +90,16 @@ async def list_models(request: Request) -> JSONResponse:
             owner = tenant if grant.owner == tenant else (PLATFORM_OWNER if grant.owner is None else "shared")
             cards.append(ModelCard(id=manifest.name, created=_unix(manifest.created_at), owned_by=owner,
                                    parent=base, root=manifest.ref))
-    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+    return cards
 
 
 def _unix(iso: str) -> int:
     return int(dt.datetime.fromisoformat(iso).timestamp())
+
+
+def model_not_found(model: str) -> ModelNotFound:
+    shown = model if len(model) <= 128 else f"{model[:128]}..."  # a long name is not echoed back whole
+    return ModelNotFound(f"The model '{shown}' does not exist or you do not have access to it.", param="model")
 
 
 async def resolve_model(request: Request, principal: Principal, model: str) -> tuple[str, int, str] | None:
@@ -84,9 +109,7 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
     gw = gateway_of(request)
     if model == gw.served_model_name:
         return None
-    shown = model if len(model) <= 128 else f"{model[:128]}..."  # a long name is not echoed back whole
-    not_found = ModelNotFound(f"The model '{shown}' does not exist or you do not have access to it.",
-                              param="model")
+    not_found = model_not_found(model)
     registry = gw.registry
     if registry is None:
         raise not_found

@@ -91,7 +91,8 @@ class _SamplingRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context window")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    # Never None once parsed (`_n_null_is_one`); null in the schema, as in OpenAI's.
+    n: int | None = Field(1, ge=1, le=MAX_N, description="null means the default, 1")
     stop: str | _list_of(str) | None = Field(
         None, validate_default=True,
         description=f"up to {MAX_STOP} non-empty stop strings of at most {MAX_STOP_CHARS} characters",
@@ -117,6 +118,11 @@ class _SamplingRequest(BaseModel):
                      if name in body and not _one_of(body[name], no_ops)), None)
 
     _stop_count = _at_most("stop", MAX_STOP, "stop sequences")
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null_is_one(cls, value: object) -> object:
+        return 1 if value is None else value
 
     @field_validator("stop")
     @classmethod

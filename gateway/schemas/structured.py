@@ -127,8 +127,14 @@ class ToolCall(BaseModel):
 # ---- responses ----------------------------------------------------------------
 
 
+# A later piece of a call leaves out what only the first carries, as OpenAI
+# and vLLM send them: the SDK's stream helper copies every key it gets, so
+# an explicit `"type": null` there overwrote the call's "function".
+_ABSENT_IF_NONE = Field(None, exclude_if=lambda value: value is None)
+
+
 class FunctionCallDelta(BaseModel):
-    name: str | None = None
+    name: str | None = _ABSENT_IF_NONE
     arguments: str | None = None
 
 
@@ -136,6 +142,6 @@ class ToolCallDelta(BaseModel):
     """A piece of a streamed tool call: the first carries id, type and name."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = _ABSENT_IF_NONE
+    type: Literal["function"] | None = _ABSENT_IF_NONE
     function: FunctionCallDelta

@@ -174,6 +174,13 @@ def test_models_lists_base_and_the_adapters_this_key_may_use(live):
     assert acme["shared-lora"].parent == live.model
     rival = {m.id for m in client(live, "rival").models.list()}
     assert rival == {live.model, "shared-lora"}
+    # One entry, as the SDK's models.retrieve asks for it: what the list holds, and the same 404 otherwise.
+    assert client(live).models.retrieve("tiny-lora") == acme["tiny-lora"]
+    assert client(live).models.retrieve(live.model) == acme[live.model]
+    for tenant, model in (("rival", "tiny-lora"), ("acme", "no-such-lora")):
+        with pytest.raises(openai.NotFoundError) as err:
+            client(live, tenant).models.retrieve(model)
+        assert err.value.code == "model_not_found"
 
 
 def test_adapter_selected_through_model_matches_the_offline_engine(live, tiny_llama_dir):

@@ -71,6 +71,21 @@ def test_a_choice_that_finished_early_gets_no_more_chunks():
         (0, "stop"), (1, None), (1, "stop")]
 
 
+def test_a_delta_that_carries_nothing_sends_no_chunk():
+    """Text held while a stop string may still match it comes as empty
+    deltas: no chunk for those, for chat and completions alike."""
+    outputs = [_out((0, "a", None)), _out((0, "", None), so_far=1), _out((0, "", None), so_far=2),
+               _out((0, "b", "stop"), so_far=3)]
+    for chat in (True, False):
+        events = _events(outputs, chat=chat)[:-1]
+        deltas = events[1:] if chat else events  # chat opens with the role
+        texts = [e["choices"][0]["delta"]["content"] if chat else e["choices"][0]["text"] for e in deltas]
+        assert texts == ["a", "b"], texts
+    # A finish with no text still goes out: it carries the finish reason.
+    events = _events([_out((0, "a", None)), _out((0, "", "stop"), so_far=1)], chat=False)[:-1]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, "stop"]
+
+
 def test_an_engine_failure_mid_stream_is_an_error_event():
     events = _events([_out((0, "ab", None)), EngineDeadError("boom")], chat=False)
     text, error, done = events

@@ -98,6 +98,28 @@ def test_named_tool_choice_streams_the_same_arguments_as_the_whole_response(live
     assert streamed["logprobs"] == whole.usage.completion_tokens
 
 
+def test_the_sdks_stream_helper_assembles_a_named_call(live):
+    """The helper copies every key of a delta into its call: a later piece
+    that sent `"type": null` broke it (an AssertionError inside the SDK)."""
+    with client(live).chat.completions.stream(model=live.model, messages=CHAT, tools=TOOLS,
+                                              tool_choice=NAMED_TIME, max_tokens=32, temperature=0) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    _check_call(call)
+
+
+def test_a_named_call_cut_by_max_tokens_is_that_call_with_partial_arguments(live):
+    args = dict(model=live.model, messages=CHAT, tools=TOOLS, tool_choice=NAMED_TIME, max_tokens=3, temperature=0)
+    (whole,) = client(live).chat.completions.create(**args).choices
+    assert whole.finish_reason == "length" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_time" and call.function.arguments.startswith('{"zone":')
+    (streamed,) = _accumulate(client(live).chat.completions.create(**args, stream=True)).values()
+    (streamed_call,) = streamed["calls"].values()
+    assert streamed["finish"] == "length" and streamed_call["arguments"] == call.function.arguments
+
+
 def test_required_tool_choice_streams_one_whole_call_per_choice(live):
     stream = client(live).chat.completions.create(
         model=live.model, messages=CHAT, tools=TOOLS, tool_choice="required", n=2, temperature=1.0, seed=11,
