@@ -69,7 +69,7 @@ async def completion_events(first: RequestOutput, rest: AsyncIterator[RequestOut
             check_output(out)
             for c in out.outputs:  # only the choices that changed, each finishing once
                 chunk = fmt.delta_chunk(c, text_sent[c.index])
-                if chunk is not None:  # None: a possible tool call is held until it is whole
+                if chunk is not None:  # None: a tool call held until it is whole, or a delta of nothing
                     yield sse_event(chunk)
                 text_sent[c.index] += len(c.text)
             last = out

@@ -77,7 +77,8 @@ class ToolReader:
 
     def call_in(self, text: str, finish_reason: str | None) -> FunctionCall | None:
         """The call a finished output makes: only one the engine ended on
-        its own ("stop"); one cut by max_tokens is content, as OpenAI has it."""
+        its own ("stop"). One cut short is content, as OpenAI has it, except
+        a named call (`cut_call`)."""
         return self.parse(text) if finish_reason == "stop" else None
 
     def cut_call(self, text: str, finish_reason: str | None) -> FunctionCall | None:

@@ -72,7 +72,7 @@ OPERATIONS = [
               oai.CompletionRequest, errors=_V1_ERRORS, stream=oai.Completion),
     Operation("get", "/v1/models", "the base model and the adapters this key may use", oai.ModelList,
               errors=(401, 503)),
-    Operation("get", "/v1/models/{model}", "one of them", oai.ModelCard, errors=(401, 404, 503)),
+    Operation("get", "/v1/models/{model}", "one model of that list: the base model or an adapter", oai.ModelCard, errors=(401, 404, 503)),
     Operation("get", "/admin/tenants", "list tenants", list_of(adm.TenantOut), security=ADMIN,
               errors=(401, 503)),
     Operation("post", "/admin/tenants", "create a tenant", adm.TenantOut, adm.TenantCreate, security=ADMIN,

@@ -129,7 +129,7 @@ class ToolCall(BaseModel):
 
 # A later piece of a call leaves out what only the first carries, as OpenAI
 # and vLLM send them: the SDK's stream helper copies every key it gets, so
-# an explicit `"type": null` there overwrote the call's "function".
+# an explicit `"type": null` replaced the call's type ("function") with None.
 _ABSENT_IF_NONE = Field(None, exclude_if=lambda value: value is None)
 
 

@@ -61,3 +61,21 @@ def test_a_call_whose_arguments_escape_a_lone_surrogate_stays_a_call_that_encode
         call = reader.parse(text)
         assert call is not None and call.name == "f", reader
         assert call.arguments == escaped and call.arguments.encode("utf-8")
+
+
+def test_a_named_call_opens_with_the_first_delta_that_carries_text():
+    """A delta of nothing sends no chunk (gateway/openai_format.py), so the
+    opening (id, type, name) goes out with the first text; later pieces
+    leave those keys out of the JSON altogether."""
+    from gateway.openai_format import ResponseFormat
+
+    fmt = ResponseFormat(id="c", model="m", created=0, chat=True, decode=str, tools=ToolReader(ToolMode.NAMED, "f"))
+    empty = CompletionOutput(index=0, text="", finish_reason=None)
+    assert fmt.delta_chunk(empty, 0) is None
+    first = fmt.delta_chunk(CompletionOutput(index=0, text='{"a"', finish_reason=None), 0)
+    (opening,) = first["choices"][0]["delta"]["tool_calls"]
+    assert opening["id"].startswith("call_") and opening["type"] == "function" and opening["function"]["name"] == "f"
+    later = fmt.delta_chunk(CompletionOutput(index=0, text=":1}", finish_reason="stop"), 4)
+    (piece,) = later["choices"][0]["delta"]["tool_calls"]
+    assert piece == {"index": 0, "function": {"arguments": ":1}"}}
+    assert later["choices"][0]["finish_reason"] == "tool_calls"
