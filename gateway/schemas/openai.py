@@ -163,10 +163,10 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     # `_what_each_role_needs`, stated in /openapi.json too.
-    model_config = ConfigDict(**_REQUEST, json_schema_extra={"allOf": [
-        {"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-                   {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
-                                                               "tool_calls": {"type": "array", "minItems": 1}}}]},
+    model_config = ConfigDict(**_REQUEST, json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                    "tool_calls": {"type": "array", "minItems": 1}}},
     ]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | _list_of(ContentPart) | None = None
