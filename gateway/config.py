@@ -197,6 +197,13 @@ class GatewayConfig:
         4 * 1024 * 1024, help="largest request body; more is refused with 413 while it is read (adapter uploads: "
                               "--max-upload-bytes)")
     max_header_bytes: int = setting(64 * 1024, help="largest request line plus headers; more is refused with 431")
+    # nginx's client_header_timeout and client_body_timeout are 60 s each;
+    # this one bounds the whole request, so it starts lower and grows with
+    # what arrives (gateway/http_protocol.py).
+    request_read_timeout_s: float | None = setting(
+        30.0, zero_is_none=True,
+        help="seconds a client gets to send a request's head and body, one more for each KiB received; past it "
+             "the request gets 408 and its connection is closed (0: no limit)")
     # More requests than this wait their turn; the event loop never tokenizes.
     prepare_threads: int = setting(4, help="worker threads that parse, template and tokenize requests off the "
                                            "event loop")

@@ -75,6 +75,13 @@ class PayloadTooLarge(APIError):
     status, type, code = 413, "invalid_request_error", "payload_too_large"
 
 
+class RequestTimeout(APIError):
+    """408: the client did not send its request in time. Sent by the
+    server's protocol (gateway.http_protocol), which then closes."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class HeaderFieldsTooLarge(APIError):
     """431: the request line and headers are over the HTTP parser's limit.
     Sent by the server's protocol (gateway.http_protocol), not by a route."""

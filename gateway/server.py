@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -111,6 +112,12 @@ class MetricsListener:
         return self.socket.getsockname()[1]
 
 
+def http_protocol(config: GatewayConfig):
+    """The HTTP/1.1 protocol both listeners serve, with the request read
+    deadline (gateway/http_protocol.py)."""
+    return functools.partial(GatewayH11Protocol, read_timeout_s=config.request_read_timeout_s)
+
+
 def make_metrics_listener(gateway: Gateway, *, log_level: str = "info") -> MetricsListener:
     config = gateway.config
     family = socket.AF_INET6 if ":" in config.metrics_host else socket.AF_INET
@@ -120,7 +127,7 @@ def make_metrics_listener(gateway: Gateway, *, log_level: str = "info") -> Metri
         raise ConfigError(f"--metrics-port {config.metrics_port} on {config.metrics_host}: {exc}") from exc
     # No access log: Prometheus scrapes every few seconds.
     uv_config = uvicorn.Config(metrics_app(gateway), log_level=log_level, lifespan="off", access_log=False,
-                               http=GatewayH11Protocol, h11_max_incomplete_event_size=config.max_header_bytes)
+                               http=http_protocol(config), h11_max_incomplete_event_size=config.max_header_bytes)
     listener = MetricsListener(MetricsServer(uv_config), sock)
     log.info("metrics on http://%s:%d/metrics", config.metrics_host, listener.port)
     return listener
@@ -203,7 +210,7 @@ def make_server(gateway: Gateway, *, log_level: str = "info") -> DrainingServer:
     # uvicorn's choice of whatever is installed (gateway/http_protocol.py).
     uv_config = uvicorn.Config(create_app(gateway), host=config.host, port=config.port, log_level=log_level,
                                lifespan="on", timeout_graceful_shutdown=_FORCE_STOP_S,
-                               http=GatewayH11Protocol, h11_max_incomplete_event_size=config.max_header_bytes)
+                               http=http_protocol(config), h11_max_incomplete_event_size=config.max_header_bytes)
     metrics = None if config.metrics_port is None else make_metrics_listener(gateway, log_level=log_level)
     return DrainingServer(uv_config, gateway, config.drain_timeout_s, metrics)
 

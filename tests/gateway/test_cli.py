@@ -120,6 +120,8 @@ def test_edge_limit_flags_take_their_defaults_from_the_config(monkeypatch):
     monkeypatch.setenv("LORAGW_MAX_HEADER_BYTES", "8192")
     config = _serve_config(_serve_args(["--max-request-bytes", "1000", "--prepare-threads", "2"]))
     assert (config.max_request_bytes, config.max_header_bytes, config.prepare_threads) == (1000, 8192, 2)
+    assert _serve_config(_serve_args([])).request_read_timeout_s == defaults.request_read_timeout_s == 30.0
+    assert _serve_config(_serve_args(["--request-read-timeout", "0"])).request_read_timeout_s is None
 
 
 def test_no_tiers_turns_off_the_premium_reserve(monkeypatch):

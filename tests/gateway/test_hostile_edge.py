@@ -334,7 +334,8 @@ def test_the_http_parser_is_pinned_to_h11_with_the_header_limit(tmp_path):
     from gateway.http_protocol import GatewayH11Protocol
     from gateway.server import make_server
 
-    gateway = Gateway(config=GatewayConfig(max_header_bytes=12_345), store=None, engine=CountingEngine(),
-                      admission=None)
+    gateway = Gateway(config=GatewayConfig(max_header_bytes=12_345, request_read_timeout_s=7.5), store=None,
+                      engine=CountingEngine(), admission=None)
     config = make_server(gateway).config
-    assert config.http is GatewayH11Protocol and config.h11_max_incomplete_event_size == 12_345
+    assert config.http.func is GatewayH11Protocol and config.http.keywords == {"read_timeout_s": 7.5}
+    assert config.h11_max_incomplete_event_size == 12_345
