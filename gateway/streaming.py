@@ -19,6 +19,8 @@ next token, and its `on_close` runs exactly once however the stream ends.
 It also bounds the stream's duration: past `max_seconds` the request is
 aborted and the stream ends with an error event and `[DONE]`, so a reader
 that stalls (or trickles) cannot hold a sequence slot and its output forever.
+A client that asked for usage gets its usage chunk just before that error
+event: what it was billed for the tokens made until the abort.
 """
 
 from __future__ import annotations
@@ -100,11 +102,13 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 max_seconds: float | None = None, on_deadline: Callable[[], None] = lambda: None):
+                 max_seconds: float | None = None, on_deadline: Callable[[], None] = lambda: None,
+                 usage: Callable[[], dict | None] = lambda: None):
         self.events = events
         self.on_close = on_close
         self.max_seconds = max_seconds
         self.on_deadline = on_deadline  # the server, not the client, ended the stream
+        self.usage = usage  # the usage chunk sent before the deadline's error event, if the client asked
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -135,11 +139,13 @@ class SSEResponse(Response):
 
     async def _end_past_deadline(self, send: Send, started: bool) -> None:
         error = StreamDeadlineExceeded(f"the stream ran past the server's limit of {self.max_seconds:g} seconds")
+        usage = self.usage()
+        ending = (b"" if usage is None else sse_event(usage)) + sse_event(error.body()) + DONE
         with anyio.move_on_after(_DEADLINE_GRACE_S):
             if not started:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": sse_event(error.body()) + DONE, "more_body": True})
+            await send({"type": "http.response.body", "body": ending, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

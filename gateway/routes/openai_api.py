@@ -186,8 +186,10 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
             events = completion_events(first, outputs, fmt, n=params.n, include_usage=body.include_usage,
                                        on_output=lifecycle.saw)
             streaming = True  # the response owns the outputs and the lifecycle now
+            # Past the deadline the engine request is aborted first, so `last` is what the ledger bills.
+            usage = (lambda: fmt.usage_chunk(lifecycle.last)) if body.include_usage else (lambda: None)
             return SSEResponse(events, on_close=lifecycle.close, max_seconds=gw.config.max_stream_seconds,
-                               on_deadline=lifecycle.server_aborted)
+                               on_deadline=lifecycle.server_aborted, usage=usage)
         final = first
 
         async def collect() -> None:

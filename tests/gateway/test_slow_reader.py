@@ -174,6 +174,18 @@ def test_slow_reader_is_cut_off_at_the_stream_deadline(live):
     error, done = events[-2:]
     assert json.loads(error)["error"]["code"] == "stream_deadline_exceeded" and done == "[DONE]"
     assert len(events) > 3  # it streamed tokens until the deadline
+    assert all(json.loads(e)["usage"] is None for e in events[:-2])  # no usage asked for, none sent
+
+    # Asked for usage: it comes just before the error event, and says what the ledger bills.
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, headers=headers, timeout=30) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    usage_chunk, error, done = (json.loads(e) if e != "[DONE]" else e for e in events[-3:])
+    assert error["error"]["code"] == "stream_deadline_exceeded" and done == "[DONE]"
+    assert usage_chunk["choices"] == [] and usage_chunk["object"] == "chat.completion.chunk"
     _wait_until_idle(gw)
-    # The server ended both, not their clients: billed as aborts.
-    assert [r.finish_reason for r in ended.ended] == ["abort", "abort"]
+    billed = ended.ended[-1]
+    assert usage_chunk["usage"]["completion_tokens"] == billed.completion_tokens > 0
+    assert usage_chunk["usage"]["prompt_tokens"] == billed.prompt_tokens
+    # The server ended all three, not their clients: billed as aborts.
+    assert [r.finish_reason for r in ended.ended] == ["abort", "abort", "abort"]

@@ -186,7 +186,7 @@ def test_collect_output_folds_every_delta_into_the_whole_output():
     assert [lp.token_id for lp in whole.outputs[0].logprobs] == [1, 2, 3, 4, 5]
 
 
-def _run_sse(events, *, max_seconds: float, send_blocks: bool = False) -> tuple[bytes, list]:
+def _run_sse(events, *, max_seconds: float, send_blocks: bool = False, usage=lambda: None) -> tuple[bytes, list]:
     """Serve `events` through SSEResponse to a client that never hangs up;
     with `send_blocks`, one that stops reading after the headers."""
     sent, closed = [], []
@@ -199,7 +199,7 @@ def _run_sse(events, *, max_seconds: float, send_blocks: bool = False) -> tuple[
     async def receive():
         await anyio.sleep_forever()
 
-    response = SSEResponse(events, on_close=lambda: closed.append("on_close"), max_seconds=max_seconds)
+    response = SSEResponse(events, on_close=lambda: closed.append("on_close"), max_seconds=max_seconds, usage=usage)
     asyncio.run(response({"type": "http"}, receive, send))
     assert sent[0]["type"] == "http.response.start" and closed[-1] == "on_close"
     return b"".join(m.get("body", b"") for m in sent[1:]), closed
@@ -220,6 +220,18 @@ def test_a_stream_past_its_deadline_is_aborted_and_ends_with_an_error_event_then
     assert first == b"data: {}" and done == b"data: [DONE]" and body.endswith(b"data: [DONE]\n\n")
     assert json.loads(error[6:])["error"]["code"] == "stream_deadline_exceeded"
     assert aborted == [True]
+
+
+def test_past_the_deadline_a_client_that_asked_for_usage_gets_it_before_the_error_event():
+    async def engine_stalls():
+        yield b"data: {}\n\n"
+        await anyio.sleep_forever()
+
+    chunk = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    body, _ = _run_sse(engine_stalls(), max_seconds=0.2, usage=lambda: chunk)
+    first, usage, error, done = body.split(b"\n\n")[:4]
+    assert first == b"data: {}" and json.loads(usage[6:]) == chunk and done == b"data: [DONE]"
+    assert json.loads(error[6:])["error"]["code"] == "stream_deadline_exceeded"
 
 
 def test_a_reader_that_stalls_is_cut_off_at_the_deadline():
