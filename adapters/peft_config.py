@@ -48,6 +48,12 @@ MAX_RANK = 1 << 16
 MAX_LORA_ALPHA = 1e6
 MAX_LAYER_INDEX = 1 << 16
 MAX_LIST_ENTRIES = 1024  # target_modules, exclude_modules, layers_to_transform, layers_pattern
+# The rank an engine pads its adapter slots to unless told otherwise
+# (--max-lora-rank), and so the rank an adapter may have by default: the
+# engine's setting, the registry and `loragw adapters import` all take it
+# from here, so that an adapter imported with the defaults is one that
+# `loragw serve` with the defaults can load.
+DEFAULT_MAX_LORA_RANK = 16
 MAX_PATTERN_ENTRIES = 1024  # rank_pattern, alpha_pattern (AdaLoRA lists every module: 7 per layer)
 # peft's default layer-index regex: ours, fixed, and safe for `re`.
 _DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")

@@ -32,8 +32,10 @@ from adapters.peft_config import LORA_MODULES, MAX_LAYER_INDEX, LoraSettings, mo
 
 EMBEDDING_KEYS = ("model.embed_tokens", "lm_head")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The layer index as peft writes it: ASCII digits without leading zeros (a
+# Unicode digit or "00" would alias another layer's name).
 _TENSOR_NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+    r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight"
 )
 
 
@@ -94,12 +96,15 @@ def group_tensors(tensors: dict[str, torch.Tensor], num_layers: int | None) -> d
         match = _TENSOR_NAME.fullmatch(name)
         if match is None or LORA_MODULES.get(match[3]) != match[2]:
             raise AdapterError(_explain_unknown_tensor(name))
-        layer = int(match[1])
+        digits = match[1]
+        # int() of thousands of digits is slow (and refused past 4,300): a long index is out of range as text.
+        layer = int(digits) if len(digits) <= len(str(MAX_LAYER_INDEX)) else MAX_LAYER_INDEX + 1
+        shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
         if num_layers is None and layer > MAX_LAYER_INDEX:  # without a base, layers 0..max are checked
-            raise AdapterError(f"tensor {name}: layer index {layer} above {MAX_LAYER_INDEX}")
+            raise AdapterError(f"tensor {name[:200]}: layer index {shown} above {MAX_LAYER_INDEX}")
         if num_layers is not None and layer >= num_layers:
             raise AdapterError(
-                f"tensor {name}: layer index {layer} out of range (the base model has {num_layers} layers)"
+                f"tensor {name[:200]}: layer index {shown} out of range (the base model has {num_layers} layers)"
             )
         groups.setdefault((layer, match[3]), {})[match[4]] = tensors[name]
     return groups

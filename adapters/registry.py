@@ -30,16 +30,18 @@ from safetensors.torch import load as load_safetensors
 
 from adapters import blob
 from adapters.errors import AdapterError, AdapterNotFound
+from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 from adapters.peft_format import BaseShapes, check_fits, parse_peft_adapter
 from adapters.store import exclusive_lock, rename_atomic, write_atomic
 
 DATA_DIR_ENV = "LORAGW_DATA_DIR"
-DEFAULT_MAX_LORA_RANK = 64
 # A real adapter_config.json nests 3 deep (loftq_config, layer_replication);
 # a grammar bound, like protobuf's JSON parser's 100, not an operator's knob.
 MAX_CONFIG_DEPTH = 16
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
-_VERSION = re.compile(r"[1-9][0-9]*")
+# Versions count up from 1; nine digits keep a reference's version within
+# the database's 32-bit integers (and int() of it cheap).
+_VERSION = re.compile(r"[1-9][0-9]{0,8}")
 _MANIFEST = re.compile(r"v([1-9][0-9]*)\.json(\.deleted)?")
 # torch.save zip archives and raw pickles (protocol 2+ starts with 0x80); only
 # consulted once the bytes failed to parse as safetensors.

@@ -15,6 +15,7 @@ import difflib
 import typing
 from dataclasses import dataclass
 
+from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 from engine.config_flags import is_section, section, setting
 from engine.errors import ValidationError
 
@@ -122,7 +123,8 @@ class CacheConfig:
 class LoraConfig:
     max_loras: int = setting(4, help="adapters resident on the device at once, and distinct adapters per "
                                      "step (0: LoRA off)")
-    max_lora_rank: int = setting(16, help="the rank every adapter slot is padded to; larger adapters are refused")
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK,
+                                 help="the rank every adapter slot is padded to; larger adapters are refused")
     max_cpu_loras: int = setting(16, help="adapters kept loaded in host memory")
     lora_backend: str = setting("auto", help="SGMV kernels: triton, cpu, torch or auto")
     max_slot_wait_steps: int = setting(32, help="steps a request may be passed over while it waits for an "

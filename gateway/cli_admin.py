@@ -18,6 +18,8 @@ import re
 import sys
 from pathlib import Path
 
+from adapters.peft_config import DEFAULT_MAX_LORA_RANK
+
 COMMANDS = ("migrate", "tenants", "keys", "adapters")
 LIMIT_FLAGS = {"--max-concurrent": "max_concurrent", "--requests-per-minute": "requests_per_minute",
                "--tokens-per-minute": "tokens_per_minute"}
@@ -74,7 +76,8 @@ def _add_adapters(sub, common) -> None:
     imp.add_argument("dir", help="directory with adapter_config.json and adapter_model.safetensors")
     imp.add_argument("--model", default=os.environ.get("LORAGW_MODEL"),
                      help="base checkpoint to validate against; default: bundled SmolLM2-135M-Instruct")
-    imp.add_argument("--max-lora-rank", type=int, default=64)
+    imp.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK,
+                     help="largest rank accepted: the servers' --max-lora-rank (default %(default)s)")
     imp.add_argument("--tenant", help="the owning tenant (default: none, a platform adapter)")
     imp.add_argument("--shared", action="store_true", help="every tenant may use it")
     ls = cmds.add_parser("list", parents=[common], help="list adapters (latest version of each name)")

@@ -20,9 +20,10 @@ def add_price_flag(parser: argparse.ArgumentParser) -> None:
 def price_book(args: argparse.Namespace):
     """The `--price` flags, else $LORAGW_PRICE."""
     from billing.pricing import PriceBook
+    from gateway.tenancy import Tier
 
     specs = args.price if args.price else os.environ.get(PRICE_ENV, "").split()
-    return PriceBook.parse(specs)
+    return PriceBook.parse(specs, known_tiers=tuple(t.value for t in Tier))
 
 
 def add_parsers(sub) -> None:

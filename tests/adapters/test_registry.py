@@ -176,7 +176,8 @@ def test_bad_names_are_rejected(name, registry, valid_adapter_dir):
     assert not (registry.root / "blobs").exists()
 
 
-@pytest.mark.parametrize("ref", ["a@0", "a@x", "a@", "a@1@2", "A", "../a", "a@01"])
+@pytest.mark.parametrize("ref", ["a@0", "a@x", "a@", "a@1@2", "A", "../a", "a@01", "a@\u0661",
+                                 "a@1234567890", "a@" + "9" * 5000])
 def test_bad_references_are_rejected(ref, registry):
     with pytest.raises(AdapterError, match="invalid adapter reference") as info:
         registry.resolve(ref)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from adapters.errors import AdapterError
+from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 from adapters.registry import AdapterRegistry
 from tests.adapters.conftest import ALL_MODULES, as_upload, build_peft_adapter
 
@@ -134,6 +135,11 @@ REJECTIONS = {
     "unexpected tensor": (_add_tensor(f"{Q0}.lora_C.weight"), f"unexpected tensor name {Q0}.lora_C.weight"),
     "unprefixed tensor": (_add_tensor("model.layers.0.self_attn.q_proj.lora_A.weight"), "unexpected tensor name"),
     "layer out of range": (_rename_layer(1, 5), "layer index 5 out of range (the base model has 2 layers)"),
+    "a layer index past int()'s limit": (_rename_layer(1, "9" * 5000), "layer index 99999999999999999999... "
+                                         "(5000 digits) out of range (the base model has 2 layers)"),
+    # peft writes ASCII digits without leading zeros; these would alias layer 1.
+    "a Unicode digit as the layer": (_rename_layer(1, "\u0661"), "unexpected tensor name"),
+    "a leading zero in the layer": (_rename_layer(1, "01"), "unexpected tensor name"),
     "untargeted tensors": (_set(target_modules=["q_proj"]), "layers.0.mlp.down_proj, which target_modules does not cover"),
     "missing module": (
         _drop(f"{Q0}.lora_A.weight", f"{Q0}.lora_B.weight"),
@@ -166,10 +172,16 @@ def test_rank_above_max_lora_rank(valid_files, tiny_config, tmp_path):
         registry.put("a", *as_upload(*valid_files))
 
 
-def test_default_max_lora_rank_is_64(valid_files, tiny_config, tmp_path):
+def test_the_registry_s_default_rank_limit_is_the_engine_s(valid_files, tiny_config, tmp_path):
+    """`loragw adapters import` once accepted rank 64 by default where
+    `loragw serve` pads slots to 16: every request on such an adapter then
+    failed with a 500. One default now serves both."""
+    from engine.config import LoraConfig
+
+    assert LoraConfig().max_lora_rank == DEFAULT_MAX_LORA_RANK == 16
     cfg, tensors = valid_files
-    cfg["rank_pattern"] = {"layers.0.self_attn.q_proj": 65}
-    with pytest.raises(AdapterError, match="rank 65, above max_lora_rank 64"):
+    cfg["rank_pattern"] = {"layers.0.self_attn.q_proj": 17}
+    with pytest.raises(AdapterError, match="rank 17, above max_lora_rank 16"):
         AdapterRegistry(tmp_path, base_config=tiny_config).put("a", *as_upload(cfg, tensors))
 
 

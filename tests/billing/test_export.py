@@ -156,6 +156,15 @@ def test_daily_totals_add_up_to_the_records(export):
 @pytest.mark.parametrize("flags, message", [
     (["--since", "yesterday", "--until", "2026-11-03"], "not an ISO date"),
     ([*RANGE, "--price", "premium:1,2"], "expected TIER:"),
+    # Each of these once went through: NaN and negative costs in the export,
+    # a traceback, a tier nobody is in, the second price silently winning.
+    ([*RANGE, "--price", "premium:nan,0,0"], "'nan' is not a price from 0 to 1000000"),
+    ([*RANGE, "--price", "premium:-1,0,0"], "'-1' is not a price"),
+    ([*RANGE, "--price", "premium:1e999,0,0"], "'1e999' is not a price"),
+    ([*RANGE, "--price", "premium:Infinity,0,0"], "'Infinity' is not a price"),
+    ([*RANGE, "--price", "premium:one,0,0"], "'one' is not a number"),
+    ([*RANGE, "--price", "gold:1,1,1"], "unknown tier 'gold' (tiers: premium, standard)"),
+    ([*RANGE, "--price", "premium:1,1,1", "--price", "premium:2,2,2"], "tier 'premium' is priced twice"),
 ])
 def test_bad_flags_are_one_error_line(ledger_db, capsys, flags, message):
     assert main(["usage", "export", "--db", ledger_db, *flags]) == 2

@@ -252,3 +252,12 @@ def test_serve_starts_its_local_workers_at_the_worker_nice(argv, niceness):
 def test_worker_pool_flags_that_cannot_work_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         _serve_config(_serve_args(argv))
+
+
+def test_serve_refuses_a_price_it_could_not_bill_with(monkeypatch):
+    """A NaN price used to start the server and then make /admin/usage a 500."""
+    monkeypatch.setenv("LORAGW_PRICE", "premium:NaN,0,0 standard:1,0,0")
+    with pytest.raises(ValueError, match="'NaN' is not a price"):
+        _serve_config(_serve_args([]))
+    monkeypatch.setenv("LORAGW_PRICE", "premium:0.004,0.0002,0.0006")
+    assert str(_serve_config(_serve_args([])).prices.for_tier("premium").per_gpu_second) == "0.004"

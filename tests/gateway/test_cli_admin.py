@@ -147,6 +147,19 @@ def test_adapter_lifecycle(cli, db_url, tiny_adapter_dir, tiny_llama_dir, data_d
     assert [m.name for m in AdapterRegistry(data_dir / "adapters").list()] == ["common"]
 
 
+def test_import_refuses_by_default_a_rank_that_serve_cannot_load(cli, tiny_llama_dir, tmp_path, data_dir, capsys):
+    """It used to accept up to rank 64 where `loragw serve` pads slots to 16:
+    the import passed and every request on the adapter was then a 500."""
+    from tests.adapters.conftest import build_peft_adapter
+
+    build_peft_adapter(tiny_llama_dir, tmp_path / "r32", r=32, lora_alpha=32, target_modules=["q_proj"])
+    capsys.readouterr()  # transformers' progress bars
+    model = ["--model", str(tiny_llama_dir)]
+    assert "above max_lora_rank 16" in cli("adapters", "import", "wide", str(tmp_path / "r32"), *model, ok=False)
+    wide = cli("adapters", "import", "wide", str(tmp_path / "r32"), "--max-lora-rank", "32", *model)
+    assert wide["latest_version"] == 1
+
+
 def test_cli_and_admin_api_show_the_same_objects(cli, db_url, tmp_path, tiny_base_config):
     tenant = cli("tenants", "create", "acme", "--tier", "premium", "--requests-per-minute", "60")
     key = cli("keys", "create", "acme")

@@ -61,6 +61,15 @@ def test_nul_byte_in_model_is_a_bad_request(client, path):
     assert_error(client.post(path, json=body, headers=client.tenant_headers), 400, "NUL", param="user")
 
 
+@pytest.mark.parametrize("path", V1)
+def test_an_adapter_version_past_int_s_digit_limit_is_not_a_server_error(client, path):
+    """int() refuses more than 4,300 digits: such a version used to be a 500."""
+    model = "some-adapter@" + "9" * 5000
+    body = chat(model) if "chat" in path else {"model": model, "prompt": "hi"}
+    assert_error(client.post(path, json=body, headers=client.tenant_headers), 404, param="model")
+    assert_error(client.delete(f"/admin/adapters/{model}", headers=ADMIN), 400, "invalid adapter reference")
+
+
 def test_nul_byte_in_tenant_name_is_a_bad_request(client):
     assert_error(client.post("/admin/tenants", json={"name": "ac\x00me"}, headers=ADMIN), 400, param="name")
     for method, path in [("GET", "/admin/tenants/ac%00me"), ("PATCH", "/admin/tenants/ac%00me"),
