@@ -11,15 +11,17 @@ prints their message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import fcntl
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
 from adapters.errors import AdapterNotFound
 from adapters.registry import AdapterManifest, AdapterRegistry, parse_ref, validate_name
-from gateway.errors import InvalidRequest
+from gateway.errors import APIError, InvalidRequest
 from gateway.schemas.admin import (AdapterOut, AdapterUpload, AdapterVersionOut, Deleted, IssuedKeyOut, KeyCreate,
                                    KeyOut, LimitsOut, TenantCreate, TenantOut, TenantUpdate)
 from gateway.store.base import Conflict, NotFound, Store
@@ -58,14 +60,20 @@ class AdminService:
     async def delete_tenant(self, name: str) -> Deleted:
         """Deletes the tenant, its keys, and the adapters it owns."""
         await self.store.get_tenant(name)
-        owned = [g.name for g in await self.store.list_adapter_grants() if g.owner == name]
-        registry = self._registry() if owned else None  # fail before changing anything
-        await self.store.delete_tenant(name)
-        for adapter in owned:
-            try:
-                await asyncio.to_thread(registry.delete, adapter)
-            except AdapterNotFound:
-                pass
+        try:
+            registry = self._registry()
+        except APIError:  # adapters off, or not loaded yet: no upload can be under way either
+            registry = None
+        async with adapter_writes(registry):  # an upload for this tenant lands before, or fails after
+            owned = [g.name for g in await self.store.list_adapter_grants() if g.owner == name]
+            if owned and registry is None:
+                self._registry()  # raises why the adapters cannot go: fail before changing anything
+            await self.store.delete_tenant(name)
+            for adapter in owned:
+                try:
+                    await asyncio.to_thread(registry.delete, adapter)
+                except AdapterNotFound:
+                    pass
         return Deleted(object="tenant", id=name)
 
     # ---- keys ----
@@ -109,20 +117,31 @@ class AdminService:
     async def _store_adapter(self, fields: AdapterUpload,
                              put: Callable[[AdapterRegistry], AdapterManifest]) -> AdapterOut:
         name = validate_name(fields.name)
-        if fields.tenant is not None:
-            await self.store.get_tenant(fields.tenant)
         registry = self._registry()
-        current = await self._grant(name)
-        if await _versions(registry, name) and current.owner != fields.tenant:
-            owner = f"tenant {current.owner!r}" if current.owner else "the platform"
-            raise Conflict(f"adapter {name!r} belongs to {owner}; delete it first to give it another owner",
-                           param="tenant")
-        await asyncio.to_thread(put, registry)
-        if fields.tenant is None and not fields.shared:
-            await self._drop_grant(name)  # no row: a platform adapter no tenant may use
-        else:
-            await self.store.grant_adapter(name, owner=fields.tenant, shared=fields.shared)
-        return await self.get_adapter(name)
+        # The owner check, the weights and the grant are one step: two uploads
+        # of a new name at once could each pass the check, and the grant
+        # written last would give its tenant the other's weights.
+        async with adapter_writes(registry):
+            if fields.tenant is not None:
+                await self.store.get_tenant(fields.tenant)
+            current = await self._grant(name)
+            before = {m.version for m in await _versions(registry, name)}
+            if before and current.owner != fields.tenant:
+                owner = f"tenant {current.owner!r}" if current.owner else "the platform"
+                raise Conflict(f"adapter {name!r} belongs to {owner}; delete it first to give it another owner",
+                               param="tenant")
+            manifest = await asyncio.to_thread(put, registry)
+            try:
+                if fields.tenant is None and not fields.shared:
+                    await self._drop_grant(name)  # no row: a platform adapter no tenant may use
+                else:
+                    await self.store.grant_adapter(name, owner=fields.tenant, shared=fields.shared)
+            except BaseException:
+                # No grant, no weights: left behind, they would be a platform adapter nobody uploaded.
+                if manifest.version not in before:
+                    await asyncio.to_thread(registry.delete, name, manifest.version)
+                raise
+            return await self.get_adapter(name)
 
     async def list_adapters(self) -> list[AdapterOut]:
         versions: dict[str, list[AdapterManifest]] = defaultdict(list)
@@ -143,12 +162,13 @@ class AdminService:
         running keep their loaded weights; new ones no longer find it."""
         name, version = parse_ref(ref, param="name")
         registry = self._registry()
-        try:
-            await asyncio.to_thread(registry.delete, name, version)
-        except AdapterNotFound as exc:
-            raise NotFound(exc.message, param="name") from None
-        if not await _versions(registry, name):
-            await self._drop_grant(name)
+        async with adapter_writes(registry):
+            try:
+                await asyncio.to_thread(registry.delete, name, version)
+            except AdapterNotFound as exc:
+                raise NotFound(exc.message, param="name") from None
+            if not await _versions(registry, name):
+                await self._drop_grant(name)
         return Deleted(object="adapter", id=ref)
 
     async def _grant(self, name: str) -> AdapterGrant:
@@ -162,6 +182,25 @@ class AdminService:
             await self.store.delete_adapter_grant(name)
         except NotFound:
             pass
+
+
+@contextlib.asynccontextmanager
+async def adapter_writes(registry: AdapterRegistry | None) -> AsyncIterator[None]:
+    """Hold the registry's lock on adapter ownership for the block: one
+    upload, adapter deletion or tenant deletion at a time, across this
+    process's requests and every process on the same data directory (the
+    CLI beside a server). A file lock, not an asyncio one, for the second;
+    taken on a worker thread, so the event loop never waits on it. The
+    registry's own lock, which `put` and `delete` take, is another file.
+    None: no registry, nothing to hold."""
+    if registry is None:
+        yield
+        return
+    path = registry.root / ".ownership.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # closing the file releases the lock
+        await asyncio.to_thread(fcntl.flock, f.fileno(), fcntl.LOCK_EX)
+        yield
 
 
 async def _versions(registry: AdapterRegistry, name: str) -> list[AdapterManifest]:
