@@ -23,8 +23,10 @@ _COLUMNS = [c.name for c in UsageRecordRow.__table__.columns]
 
 @dataclass(frozen=True)
 class UsageTotals:
-    """One tenant's usage over one period (at one tier)."""
+    """One tenant's usage over one period (at one tier). A name may be
+    reused after its tenant was deleted: the id tells the two apart."""
 
+    tenant_id: str
     tenant: str
     tier: str
     period_start_us: int
@@ -68,15 +70,15 @@ class Ledger:
         t = UsageRecordRow
         period = (t.ended_at_us // PERIOD_US[group_by]) * PERIOD_US[group_by]
         stmt = select(
-            t.tenant, t.tier, period.label("period"),
+            t.tenant_id, t.tenant, t.tier, period.label("period"),
             func.sum(case((t.kind == REQUEST, 1), else_=0)),
             func.sum(t.prompt_tokens), func.sum(t.cached_prompt_tokens), func.sum(t.completion_tokens),
             func.sum(t.gpu_us), func.sum(t.recompute_us), func.sum(t.adapter_load_us),
-        ).group_by(t.tenant, t.tier, period).order_by(period, t.tenant, t.tier)
+        ).group_by(t.tenant_id, t.tenant, t.tier, period).order_by(period, t.tenant, t.tenant_id, t.tier)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(_where(stmt, since_us, until_us, tenant))).all()
-        return [UsageTotals(tenant, tier, int(start), *(int(v or 0) for v in sums))
-                for tenant, tier, start, *sums in rows]
+        return [UsageTotals(tenant_id, tenant, tier, int(start), *(int(v or 0) for v in sums))
+                for tenant_id, tenant, tier, start, *sums in rows]
 
 
 def _where(stmt, since_us, until_us, tenant):

@@ -138,9 +138,13 @@ async def upload_adapter(request: Request, service: AdminService):
             fields, files = {}, {}
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
-                    files[key if key in (CONFIG_FILE, WEIGHTS_FILE) else (value.filename or key)] = value
+                    key = key if key in (CONFIG_FILE, WEIGHTS_FILE) else (value.filename or key)
+                    into = files
                 else:
-                    fields[key] = value
+                    into = fields
+                if key in into:  # which one counts (the owner, the weights) must not hang on the order sent
+                    raise InvalidRequest(f"{key!r} is sent more than once", param=key[:128])
+                into[key] = value
             upload = parse(AdapterUpload, fields)
             config_json = await _file(files, CONFIG_FILE)
             weights = await _file(files, WEIGHTS_FILE)
@@ -197,7 +201,9 @@ async def delete_adapter(request: Request, service: AdminService):
 async def usage(request: Request, service: AdminService):
     """Usage from the billing ledger, priced per tier: per-record rows, or
     per-tenant totals with `group_by=hour|day`, over `[since, until)`
-    (ISO dates or datetimes). `?tenant=` must name a tenant."""
+    (ISO dates or datetimes). `?tenant=` is the name the records were
+    made under: a deleted tenant's usage stays there, and a name reused
+    since has both tenants' records, told apart by `tenant_id`."""
     from billing.export import GROUP_BY, parse_time, usage_rows
     from billing.ledger import Ledger
 
@@ -208,9 +214,10 @@ async def usage(request: Request, service: AdminService):
     if unknown is not None:
         raise InvalidRequest(f"unknown query parameter {unknown!r}; expected {', '.join(USAGE_QUERY)}",
                              param=unknown)
+    repeated = next((name for name in q if len(q.getlist(name)) > 1), None)
+    if repeated is not None:  # `?tenant=a&tenant=b` must not quietly mean b
+        raise InvalidRequest(f"query parameter {repeated!r} is given more than once", param=repeated)
     tenant = _stored(q.get("tenant"), "tenant")
-    if tenant is not None:
-        await service.get_tenant(tenant)
     bounds = {}
     for param in ("since", "until"):
         try:

@@ -21,7 +21,8 @@ from gateway.tenancy import Tier
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN, description="a-z 0-9 _ -, at most 64")]
 ADAPTER_NAME_PATTERN = r"^(?!.*\.\.)[a-z0-9][a-z0-9._-]{0,63}$"  # adapters.registry.validate_name
-ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]*)?$"  # NAME or NAME@VERSION
+# NAME or NAME@VERSION, as adapters.registry.parse_ref takes it (a version of at most nine digits)
+ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]{0,8})?$"
 # The limits are INTEGER columns (store.models.TenantRow): 32 bits on PostgreSQL.
 MAX_LIMIT = 2**31 - 1
 Limit = Annotated[Annotated[StrictInt, Field(gt=0, le=MAX_LIMIT)] | None,

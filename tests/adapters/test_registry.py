@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.registry import AdapterManifest, AdapterRegistry, default_data_dir, validate_name
+from adapters.registry import AdapterManifest, AdapterRegistry, default_data_dir, parse_ref, validate_name
 from tests.adapters.conftest import as_upload
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -182,6 +182,21 @@ def test_bad_references_are_rejected(ref, registry):
     with pytest.raises(AdapterError, match="invalid adapter reference") as info:
         registry.resolve(ref)
     assert info.value.param == "model" and not isinstance(info.value, AdapterNotFound)
+
+
+@pytest.mark.parametrize("ref", ["a", "a@1", "a@999999999", "a@1000000000", "a@0", "a@01", "a.b-c_d@12", "a..b@1",
+                                 "a@", "a@1@2", "Upper@1", "x" * 64 + "@1", "x" * 65])
+def test_the_openapi_reference_pattern_agrees_with_parse_ref(ref):
+    import re
+
+    from gateway.schemas.admin import ADAPTER_REF_PATTERN
+
+    try:
+        parse_ref(ref)
+        parsed = True
+    except AdapterError:
+        parsed = False
+    assert (re.search(ADAPTER_REF_PATTERN, ref) is not None) == parsed
 
 
 def test_unknown_adapter_is_not_found(registry):

@@ -199,8 +199,39 @@ def test_admin_usage_answers_what_the_export_writes(api, export, query, flags):
     assert body["data"] == exported
 
 
-def test_admin_usage_refuses_an_unknown_tenant_and_bad_parameters(api):
-    assert api.get("/admin/usage?tenant=nobody", headers=ADMIN).status_code == 404
+def test_admin_usage_filters_by_the_name_records_were_made_under(api, ledger_db, export):
+    """Not by a tenant that exists now: a deleted tenant's usage stays
+    billable, platform overhead is there too, and a name with no records is
+    an empty list, as the export answers (it was a 404). A name reused after
+    its tenant was deleted holds both tenants' records, told apart by
+    tenant_id, in the records and in the totals."""
+    async def reuse_gold():
+        engine = create_engine(ledger_db)
+        try:
+            await Ledger(engine).append([
+                UsageRecord(request_id="g3", kind=REQUEST, tenant_id="id-gold-2", tenant="gold", tier="standard",
+                            ended_at_us=at(1, 9), prompt_tokens=7, completion_tokens=3, gpu_us=10)])
+        finally:
+            await engine.dispose()
+
+    asyncio.run(reuse_gold())
+    dates = {"since": "2026-11-01", "until": "2026-11-03"}
+    for name in ("nobody", "platform-overhead", "gold"):
+        body = api.get("/admin/usage", headers=ADMIN, params={**dates, "tenant": name}).json()
+        exported = [json.loads(line) for line in export(*RANGE, *PRICE_FLAGS, "--tenant", name, "--format",
+                                                        "jsonl").splitlines()]
+        assert body["data"] == exported
+        assert [r["request_id"] for r in body["data"]] == [r.request_id for r in IN_RANGE if r.tenant == name] + (
+            ["g3"] if name == "gold" else [])
+    gold = api.get("/admin/usage", headers=ADMIN, params={**dates, "tenant": "gold"}).json()["data"]
+    assert {r["request_id"]: r["tenant_id"] for r in gold} == {"g1": "id-gold", "s1/recompute/g1": "id-gold",
+                                                               "g2": "id-gold", "g3": "id-gold-2"}
+    days = api.get("/admin/usage", headers=ADMIN, params={**dates, "tenant": "gold", "group_by": "day"}).json()
+    second_day = [(t["tenant_id"], t["tier"], t["requests"]) for t in days["data"] if t["period_start"] > "2026-11-02"]
+    assert second_day == [("id-gold", "premium", 1), ("id-gold-2", "standard", 1)]
+
+
+def test_admin_usage_refuses_bad_parameters(api):
     for query in ("group_by=week", "since=yesterday"):
         response = api.get(f"/admin/usage?{query}", headers=ADMIN)
         assert response.status_code == 400, response.text

@@ -89,3 +89,27 @@ def test_an_upload_and_its_tenant_s_deletion_never_leave_an_orphan(client, regis
         assert not isinstance(deleted, BaseException), deleted
         assert uploaded is not None  # it landed first (then went with its tenant) or found no tenant
         assert [m.name for m in registry.list(all_versions=True) if m.name == f"orphan{round_}"] == []
+
+
+@pytest.mark.parametrize("repeat", ["name", "tenant", "adapter_model.safetensors"])
+def test_a_field_sent_twice_is_a_400_not_the_last_one_winning(client, registry, tiny_adapter_dir, repeat):
+    """Which tenant owns the adapter, or which weights it has, must not hang on
+    the order the fields were sent in."""
+    config, weights = adapter_files(tiny_adapter_dir)
+    other_weights = adapter_files(tiny_adapter_dir, scale=2.0)[1]
+    data = {"name": ["bot", "bot2"] if repeat == "name" else "bot",
+            "tenant": ["t1", "t2"] if repeat == "tenant" else "t1"}
+    files = [("adapter_config.json", ("adapter_config.json", config, "application/json")),
+             ("adapter_model.safetensors", ("adapter_model.safetensors", weights, "application/octet-stream"))]
+    if repeat == "adapter_model.safetensors":
+        files.append(("adapter_model.safetensors", ("adapter_model.safetensors", other_weights, "x/y")))
+    response = client.post("/admin/adapters", data=data, files=files, headers=ADMIN)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == repeat and "more than once" in error["message"]
+    assert registry.list(all_versions=True) == []
+
+
+def test_a_usage_query_parameter_given_twice_is_a_400(client):
+    response = client.get("/admin/usage?tenant=t1&tenant=t2", headers=ADMIN)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tenant"
