@@ -3,6 +3,8 @@
 Layout under `root` (default `default_data_dir() / "adapters"`):
 
     .lock                                  writers hold an exclusive flock on it
+    .ownership.lock                        the gateway's uploads and deletions hold it around
+                                           the weights and their grant (gateway/admin_service.py)
     blobs/<sha256>.safetensors             canonical adapter content (see blob.py)
     names/<name>/v<N>.json                 manifest of version N (immutable)
     names/<name>/v<N>.json.deleted         tombstone of a deleted version

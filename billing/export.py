@@ -18,12 +18,12 @@ from billing.pricing import PriceBook
 from billing.records import UsageRecord, from_us, to_us
 
 FORMATS = ("csv", "jsonl")
-RECORD_FIELDS = ["request_id", "kind", "tenant", "tenant_id", "tier", "key_id", "adapter", "adapter_version",
-                 "finish_reason", "started_at", "ended_at", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "gpu_us",
+RECORD_FIELDS = ["request_id", "kind", "tenant", "tier", "key_id", "adapter", "adapter_version", "finish_reason",
+                 "started_at", "ended_at", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "gpu_us",
                  "recompute_us", "adapter_load_us", "gpu_seconds", "queue_us", "ttft_us", "e2e_us", "caused_by",
-                 "cost"]
-TOTALS_FIELDS = ["tenant", "tenant_id", "tier", "period_start", "requests", "prompt_tokens", "cached_prompt_tokens",
-                 "completion_tokens", "gpu_us", "recompute_us", "adapter_load_us", "gpu_seconds", "cost"]
+                 "cost", "tenant_id"]
+TOTALS_FIELDS = ["tenant", "tier", "period_start", "requests", "prompt_tokens", "cached_prompt_tokens",
+                 "completion_tokens", "gpu_us", "recompute_us", "adapter_load_us", "gpu_seconds", "cost", "tenant_id"]
 GROUP_BY = ("none", "hour", "day")
 
 
@@ -40,8 +40,7 @@ def record_row(r: UsageRecord, prices: PriceBook) -> dict:
                                         billable_prompt_tokens=r.prompt_tokens - r.cached_prompt_tokens,
                                         completion_tokens=r.completion_tokens)
     return {
-        "request_id": r.request_id, "kind": r.kind, "tenant": r.tenant, "tenant_id": r.tenant_id, "tier": r.tier,
-        "key_id": r.key_id,
+        "request_id": r.request_id, "kind": r.kind, "tenant": r.tenant, "tier": r.tier, "key_id": r.key_id,
         "adapter": r.adapter, "adapter_version": r.adapter_version, "finish_reason": r.finish_reason,
         "started_at": _iso(r.started_at_us), "ended_at": _iso(r.ended_at_us),
         "prompt_tokens": r.prompt_tokens, "cached_prompt_tokens": r.cached_prompt_tokens,
@@ -49,6 +48,8 @@ def record_row(r: UsageRecord, prices: PriceBook) -> dict:
         "adapter_load_us": r.adapter_load_us, "gpu_seconds": _seconds(r.charged_us),
         "queue_us": r.queue_us, "ttft_us": r.ttft_us, "e2e_us": r.e2e_us, "caused_by": r.caused_by,
         "cost": str(cost),
+        # Last, so that a CSV read by column position before it existed still reads.
+        "tenant_id": r.tenant_id,
     }
 
 
@@ -57,11 +58,11 @@ def totals_row(t: UsageTotals, prices: PriceBook) -> dict:
                                         billable_prompt_tokens=t.prompt_tokens - t.cached_prompt_tokens,
                                         completion_tokens=t.completion_tokens)
     return {
-        "tenant": t.tenant, "tenant_id": t.tenant_id, "tier": t.tier, "period_start": _iso(t.period_start_us),
-        "requests": t.requests,
+        "tenant": t.tenant, "tier": t.tier, "period_start": _iso(t.period_start_us), "requests": t.requests,
         "prompt_tokens": t.prompt_tokens, "cached_prompt_tokens": t.cached_prompt_tokens,
         "completion_tokens": t.completion_tokens, "gpu_us": t.gpu_us, "recompute_us": t.recompute_us,
         "adapter_load_us": t.adapter_load_us, "gpu_seconds": _seconds(t.charged_us), "cost": str(cost),
+        "tenant_id": t.tenant_id,
     }
 
 

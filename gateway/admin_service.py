@@ -116,6 +116,12 @@ class AdminService:
 
     async def _store_adapter(self, fields: AdapterUpload,
                              put: Callable[[AdapterRegistry], AdapterManifest]) -> AdapterOut:
+        # Shielded: a request cancelled mid-way (a client gone, a forced
+        # shutdown) must not stop between the weights and their grant.
+        return await asyncio.shield(asyncio.ensure_future(self._store_adapter_whole(fields, put)))
+
+    async def _store_adapter_whole(self, fields: AdapterUpload,
+                                   put: Callable[[AdapterRegistry], AdapterManifest]) -> AdapterOut:
         name = validate_name(fields.name)
         registry = self._registry()
         # The owner check, the weights and the grant are one step: two uploads
@@ -184,14 +190,17 @@ class AdminService:
             pass
 
 
+_LOCK_POLL_S = 0.05
+
+
 @contextlib.asynccontextmanager
 async def adapter_writes(registry: AdapterRegistry | None) -> AsyncIterator[None]:
     """Hold the registry's lock on adapter ownership for the block: one
     upload, adapter deletion or tenant deletion at a time, across this
     process's requests and every process on the same data directory (the
     CLI beside a server). A file lock, not an asyncio one, for the second;
-    taken on a worker thread, so the event loop never waits on it. The
-    registry's own lock, which `put` and `delete` take, is another file.
+    polled, so the event loop never waits on it. The registry's own lock,
+    which `put` and `delete` take inside this one, is another file.
     None: no registry, nothing to hold."""
     if registry is None:
         yield
@@ -199,7 +208,14 @@ async def adapter_writes(registry: AdapterRegistry | None) -> AsyncIterator[None
     path = registry.root / ".ownership.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:  # closing the file releases the lock
-        await asyncio.to_thread(fcntl.flock, f.fileno(), fcntl.LOCK_EX)
+        # Polled, not waited for on a thread: waiters parked in flock() would
+        # take the default executor's few threads, which the holder needs.
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(_LOCK_POLL_S)
         yield
 
 

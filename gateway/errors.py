@@ -79,7 +79,7 @@ class RequestTimeout(APIError):
     """408: the client did not send its request in time. Sent by the
     server's protocol (gateway.http_protocol), which then closes."""
 
-    status, type, code = 408, "invalid_request_error", "request_timeout"
+    status, type, code = 408, "timeout_error", "request_timeout"
 
 
 class HeaderFieldsTooLarge(APIError):

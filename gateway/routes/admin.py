@@ -143,7 +143,7 @@ async def upload_adapter(request: Request, service: AdminService):
                 else:
                     into = fields
                 if key in into:  # which one counts (the owner, the weights) must not hang on the order sent
-                    raise InvalidRequest(f"{key!r} is sent more than once", param=key[:128])
+                    raise InvalidRequest(f"{key[:128]!r} is sent more than once", param=key[:128])
                 into[key] = value
             upload = parse(AdapterUpload, fields)
             config_json = await _file(files, CONFIG_FILE)

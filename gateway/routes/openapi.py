@@ -99,7 +99,7 @@ OPERATIONS = [
     Operation("delete", "/admin/adapters/{name}", "delete an adapter (NAME) or one version (NAME@VERSION)",
               adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("get", "/admin/usage", "usage per tenant (`?tenant=` for one)", adm.ListOut, security=ADMIN,
-              errors=_ADMIN_ERRORS, query=_USAGE_QUERY),
+              errors=(400, 401, 503), query=_USAGE_QUERY),
 ]
 
 _ERROR_TEXT = {400: "invalid request", 401: "missing or invalid credentials", 404: "not found",

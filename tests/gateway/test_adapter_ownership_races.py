@@ -14,7 +14,7 @@ import pytest
 
 from adapters.registry import AdapterRegistry
 from gateway.admin_service import AdminService
-from gateway.schemas.admin import AdapterUpload
+from gateway.schemas.admin import AdapterOut, AdapterUpload
 from gateway.store.base import Conflict, NotFound
 from tests.gateway.admin_app import ADMIN, adapter_files, admin_client
 from tests.gateway.test_admin_api import make_tenant
@@ -76,6 +76,24 @@ def test_an_upload_whose_grant_fails_leaves_no_weights(client, registry, tiny_ad
     assert registry.list(all_versions=True) == []
 
 
+def test_a_failed_grant_after_an_identical_upload_keeps_the_version_it_found(client, registry, tiny_adapter_dir,
+                                                                             monkeypatch):
+    """`put` hands back the latest version for identical content: the
+    rollback deletes only what the failed upload itself stored."""
+    admin = service(client, registry)
+    first = client.portal.call(admin.upload_adapter, AdapterUpload(name="bot", tenant="t1"),
+                               *adapter_files(tiny_adapter_dir))
+
+    async def down(name, *, owner, shared):
+        raise NotFound(f"no tenant {owner!r}", param="tenant")
+
+    monkeypatch.setattr(client.gateway.store, "grant_adapter", down)
+    with pytest.raises(NotFound):
+        client.portal.call(admin.upload_adapter, AdapterUpload(name="bot", tenant="t1"),
+                           *adapter_files(tiny_adapter_dir))
+    assert [m.version for m in registry.list(all_versions=True)] == [v.version for v in first.versions] == [1]
+
+
 def test_an_upload_and_its_tenant_s_deletion_never_leave_an_orphan(client, registry, tiny_adapter_dir):
     async def race(name: str, tenant: str):
         admin = service(client, registry)
@@ -87,7 +105,8 @@ def test_an_upload_and_its_tenant_s_deletion_never_leave_an_orphan(client, regis
         make_tenant(client, tenant)
         uploaded, deleted = client.portal.call(race, f"orphan{round_}", tenant)
         assert not isinstance(deleted, BaseException), deleted
-        assert uploaded is not None  # it landed first (then went with its tenant) or found no tenant
+        # It landed first (then went with its tenant), or found no tenant.
+        assert isinstance(uploaded, (AdapterOut, NotFound)), uploaded
         assert [m.name for m in registry.list(all_versions=True) if m.name == f"orphan{round_}"] == []
 
 

@@ -69,7 +69,7 @@ def assert_408(answer: bytes) -> None:
     assert head.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b"connection: close" in head.lower()
     error = json.loads(body)["error"]
-    assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
+    assert error["code"] == "request_timeout" and error["type"] == "timeout_error"
 
 
 def completion_works(live) -> bool:
@@ -112,9 +112,14 @@ def test_a_trickled_head_is_cut_at_the_deadline(live):
 
 def test_a_stalled_body_gets_408_and_its_handler_logs_no_error(live, caplog):
     body = completion_body(live)
-    with caplog.at_level(logging.WARNING), connect(live) as sock:
-        sock.sendall(completion_head(live, len(body) + 100) + body[:20])  # then nothing
-        answer, waited = read_until_closed(sock)
+    uvicorn_log = logging.getLogger("uvicorn")  # it does not propagate to the root logger caplog watches
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING), connect(live) as sock:
+            sock.sendall(completion_head(live, len(body) + 100) + body[:20])  # then nothing
+            answer, waited = read_until_closed(sock)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
     assert_408(answer)
     assert waited < READ_TIMEOUT_S + 3
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -152,13 +157,62 @@ def test_a_body_refused_before_it_arrives_does_not_hold_the_connection(live):
     assert waited < READ_TIMEOUT_S + 3
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response with a Content-Length, read off a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"closed mid-head: {data!r}")
+    head, _, body = data.partition(b"\r\n\r\n")
+    lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    length = int(lengths[0])
+    while len(body) < length:
+        body += sock.recv(65536) or pytest.fail("closed mid-body")
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_kept_alive_connection_starts_the_clock_at_each_request(live):
     """A pause between requests longer than the read timeout (but shorter
-    than uvicorn's keep-alive) does not count against the next request."""
-    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {live.key}"}, timeout=30) as client:
-        body = {"model": live.gateway.served_model_name, "prompt": "Hello", "max_tokens": 2}
-        first = client.post("/v1/completions", json=body)
+    than uvicorn's keep-alive) does not count against the next request, nor
+    does the first request's time: the second one's body comes half a
+    timeout after its head, and is served."""
+    body = completion_body(live)
+    with connect(live) as sock:
+        sock.sendall(completion_head(live, len(body)) + body)
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
         time.sleep(READ_TIMEOUT_S * 2)
-        second = client.post("/v1/completions", json=body)
-    assert (first.status_code, second.status_code) == (200, 200)
-    assert first.extensions["network_stream"] is second.extensions["network_stream"]  # one connection
+        sock.sendall(completion_head(live, len(body)))
+        time.sleep(READ_TIMEOUT_S / 2)
+        sock.sendall(body)
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_body_that_drains_after_an_early_answer_leaves_a_quiet_kept_alive_connection(live):
+    """Answered 401 before its body, the body then sent whole: the request is
+    over, and the idle connection is closed by the keep-alive timer, not
+    answered with an unasked-for 408 by a deadline left over from it."""
+    with connect(live) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2048\r\n\r\n")
+        assert read_response(sock).startswith(b"HTTP/1.1 401 ")
+        sock.sendall(b" " * 2048)
+        rest, waited = read_until_closed(sock)
+    assert rest == b"", rest[:200]
+    assert waited < 5 + 3  # uvicorn's keep-alive timeout is 5 s
+
+
+def test_a_body_still_trickling_in_after_its_answer_is_cut_short(live):
+    """Refused (413) before its body, a client that then sends the body at a
+    rate that would earn it hours is read and dropped for LINGER_S at most
+    (here the read timeout, which is shorter)."""
+    with connect(live) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n")
+        answer = read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < READ_TIMEOUT_S + 5:
+                sock.sendall(b" " * 16384)  # 80 KiB/s: 80 more seconds of credit each second
+                time.sleep(0.2)
+            pytest.fail("the connection was held past the linger time")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    assert time.monotonic() - start < READ_TIMEOUT_S + 3
