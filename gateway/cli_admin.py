@@ -23,7 +23,10 @@ from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 COMMANDS = ("migrate", "tenants", "keys", "adapters")
 LIMIT_FLAGS = {"--max-concurrent": "max_concurrent", "--requests-per-minute": "requests_per_minute",
                "--tokens-per-minute": "tokens_per_minute"}
-_DURATION = re.compile(r"([1-9][0-9]*)([smhd]?)")
+# At most 12 digits, past any key lifetime the schema allows: longer text goes
+# on to the schema, which refuses it, instead of to int() (which refuses
+# more than 4,300 digits with a traceback).
+_DURATION = re.compile(r"([1-9][0-9]{0,11})([smhd]?)")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

@@ -50,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_export(args, since, until, prices))
+    try:
+        asyncio.run(_export(args, since, until, prices))
+    except OSError as exc:  # the output file cannot be written: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

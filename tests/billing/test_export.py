@@ -172,6 +172,12 @@ def test_bad_flags_are_one_error_line(ledger_db, capsys, flags, message):
     assert out == "" and err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+def test_an_output_file_that_cannot_be_written_is_one_error_line(ledger_db, tmp_path, capsys):
+    assert main(["usage", "export", "--db", ledger_db, *RANGE, "-o", str(tmp_path / "missing" / "x.csv")]) == 1
+    out, err = capsys.readouterr()  # it was a traceback
+    assert out == "" and err.startswith("error: ") and "No such file or directory" in err and err.count("\n") == 1
+
+
 @pytest.fixture
 def api(ledger_db):
     with admin_client(ledger_db, registry=None, prices=PriceBook.parse(PRICE_FLAGS[1::2])) as client:

@@ -179,6 +179,7 @@ def test_cli_integers_past_their_column_and_huge_expiry_are_errors(cli):
     cli("tenants", "create", "acme")
     assert "tokens_per_minute" in cli("tenants", "update", "acme", "--tokens-per-minute", str(2**31), ok=False)
     assert "expires_in" in cli("keys", "create", "acme", "--expires-in", "999999999d", ok=False)
+    assert "expires_in" in cli("keys", "create", "acme", "--expires-in", "9" * 5000, ok=False)  # was a traceback
     assert "expires_at" in cli("keys", "create", "acme", "--expires-at", "9999-12-31T23:00:00-05:00", ok=False)
     assert cli("keys", "list", "acme")["data"] == []
     assert cli("tenants", "get", "acme")["limits"]["tokens_per_minute"] is None
