@@ -99,15 +99,17 @@ def group_tensors(tensors: dict[str, torch.Tensor], num_layers: int | None) -> d
         digits = match[1]
         # int() of thousands of digits is slow (and refused past 4,300): a long index is out of range as text.
         layer = int(digits) if len(digits) <= len(str(MAX_LAYER_INDEX)) else MAX_LAYER_INDEX + 1
-        shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
         if num_layers is None and layer > MAX_LAYER_INDEX:  # without a base, layers 0..max are checked
-            raise AdapterError(f"tensor {name[:200]}: layer index {shown} above {MAX_LAYER_INDEX}")
+            raise AdapterError(f"tensor {name[:200]}: layer index {_shown_index(digits)} above {MAX_LAYER_INDEX}")
         if num_layers is not None and layer >= num_layers:
-            raise AdapterError(
-                f"tensor {name[:200]}: layer index {shown} out of range (the base model has {num_layers} layers)"
-            )
+            raise AdapterError(f"tensor {name[:200]}: layer index {_shown_index(digits)} out of range "
+                               f"(the base model has {num_layers} layers)")
         groups.setdefault((layer, match[3]), {})[match[4]] = tensors[name]
     return groups
+
+
+def _shown_index(digits: str) -> str:
+    return digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
 
 
 def _explain_unknown_tensor(name: str) -> str:

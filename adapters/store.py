@@ -1,4 +1,5 @@
-"""File primitives of the registry: atomic writes and one cross-process lock.
+"""File primitives of the registry: atomic writes and a cross-process lock
+(blocking, or polled for coroutines).
 
 Readers never lock: every file they read appears whole (temp file, fsync,
 rename) or not at all. Writers take an exclusive `fcntl.flock` on one lock
@@ -8,11 +9,12 @@ both claim version N. flock needs a local filesystem (not NFS).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 
@@ -59,3 +61,19 @@ def exclusive_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@asynccontextmanager
+async def exclusive_lock_async(path: Path, *, poll_s: float = 0.05) -> AsyncIterator[None]:
+    """`exclusive_lock` for coroutines: the flock is polled, never waited
+    for in flock() on a worker thread, since waiters parked there would take
+    the default executor's few threads, which the holder itself needs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # closing the file releases the lock
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(poll_s)
+        yield

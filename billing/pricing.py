@@ -59,10 +59,11 @@ MAX_PRICE = Decimal(1_000_000)
 
 
 def _price(text: str, spec: str) -> Decimal:
+    text = text.strip()
     try:
-        price = Decimal(text.strip())
+        price = Decimal(text)
     except InvalidOperation:
-        raise ValueError(f"price {spec!r}: {text.strip()!r} is not a number") from None
+        raise ValueError(f"price {spec!r}: {text!r} is not a number") from None
     if not price.is_finite() or not 0 <= price <= MAX_PRICE:
-        raise ValueError(f"price {spec!r}: {text.strip()!r} is not a price from 0 to {MAX_PRICE}")
+        raise ValueError(f"price {spec!r}: {text!r} is not a price from 0 to {MAX_PRICE}")
     return price

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import fcntl
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from adapters.errors import AdapterNotFound
 from adapters.registry import AdapterManifest, AdapterRegistry, parse_ref, validate_name
+from adapters.store import exclusive_lock_async
 from gateway.errors import APIError, InvalidRequest
 from gateway.schemas.admin import (AdapterOut, AdapterUpload, AdapterVersionOut, Deleted, IssuedKeyOut, KeyCreate,
                                    KeyOut, LimitsOut, TenantCreate, TenantOut, TenantUpdate)
@@ -60,14 +60,15 @@ class AdminService:
     async def delete_tenant(self, name: str) -> Deleted:
         """Deletes the tenant, its keys, and the adapters it owns."""
         await self.store.get_tenant(name)
+        registry, unavailable = None, None
         try:
             registry = self._registry()
-        except APIError:  # adapters off, or not loaded yet: no upload can be under way either
-            registry = None
+        except APIError as exc:  # adapters off, or not loaded yet: no upload can be under way either
+            unavailable = exc
         async with adapter_writes(registry):  # an upload for this tenant lands before, or fails after
             owned = [g.name for g in await self.store.list_adapter_grants() if g.owner == name]
-            if owned and registry is None:
-                self._registry()  # raises why the adapters cannot go: fail before changing anything
+            if owned and unavailable is not None:
+                raise unavailable  # why its adapters cannot go: before anything has changed
             await self.store.delete_tenant(name)
             for adapter in owned:
                 try:
@@ -190,9 +191,6 @@ class AdminService:
             pass
 
 
-_LOCK_POLL_S = 0.05
-
-
 @contextlib.asynccontextmanager
 async def adapter_writes(registry: AdapterRegistry | None) -> AsyncIterator[None]:
     """Hold the registry's lock on adapter ownership for the block: one
@@ -205,17 +203,7 @@ async def adapter_writes(registry: AdapterRegistry | None) -> AsyncIterator[None
     if registry is None:
         yield
         return
-    path = registry.root / ".ownership.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:  # closing the file releases the lock
-        # Polled, not waited for on a thread: waiters parked in flock() would
-        # take the default executor's few threads, which the holder needs.
-        while True:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                await asyncio.sleep(_LOCK_POLL_S)
+    async with exclusive_lock_async(registry.root / ".ownership.lock"):
         yield
 
 

@@ -189,7 +189,7 @@ class GatewayH11Protocol(H11Protocol):
 
     def _start_clock(self, received: int) -> None:
         self._read_since, self._read_bytes = self.loop.time(), received
-        self._paused_before = self.flow.paused_s() if isinstance(self.flow, _PauseClock) else 0.0
+        self._paused_before = self.flow.paused_s()
 
     def _arm(self) -> None:
         if self.read_timeout_s is not None and self._read_timer is None:
