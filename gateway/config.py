@@ -37,7 +37,7 @@ class TierLimits:
     max_queued_tokens: int | None = setting(
         None, help="prompt tokens this tier's queue may hold before 429; default: its KV share times kv-overcommit")
     kv_overcommit: float = setting(2.0, help="queued prompt tokens per token of this tier's KV share")
-    # Judged from the tier's recent rate of first tokens.
+    # Judged from the tier's recent engine steps and the first tokens each started (gateway.admission).
     max_queue_wait_s: float | None = setting(
         None, zero_is_none=True,
         help="seconds a request of this tier may expect to queue before its first token, else 429 (0: no bound)")

@@ -79,7 +79,7 @@ class RequestLifecycle:
     def saw(self, out: RequestOutput) -> RequestOutput:
         self.last = out
         self._finish_reasons.update((c.index, c.finish_reason) for c in out.outputs if c.finished)
-        self.ticket.started()
+        self.ticket.started(out.metrics.first_token_time if out.metrics is not None else None)
         if out.finished:
             # Report before the caller sends the last bytes: a client that
             # received the whole response is then sure to be in the ledger,

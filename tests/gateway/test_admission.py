@@ -151,7 +151,7 @@ async def queued_one_at_a_time(clock, ctl, std, *, count: int, wait_s: float, ga
     for _ in range(count):
         ticket = await ctl.admit(std, prompt_tokens=1, max_tokens=1)
         clock.now += wait_s
-        ticket.started()
+        ticket.started(step=clock.now)
         clock.now += gap_s
 
 
@@ -167,37 +167,100 @@ async def test_retry_after_follows_the_tiers_recent_start_rate():
     assert info.value.headers["Retry-After"] == "3"
 
 
+async def queued_together(clock, ctl, std, *, count: int, per_step: int, step_s: float) -> list:
+    """`count` requests queued at once; every `step_s` an engine step starts
+    `per_step` of them, the others still waiting. Returns the tickets."""
+    tickets = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(count)]
+    for first in range(0, count, per_step):
+        clock.now += step_s
+        for ticket in tickets[first:first + per_step]:
+            ticket.started(step=clock.now)
+    return tickets
+
+
 async def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
     std = principal("s", Tier.STANDARD)
-    await queued_one_at_a_time(clock, ctl, std, count=5, wait_s=1.0)  # the tier starts one request a second
-    held = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(5)]  # the 5th expects 5 s
+    # Steps that left older requests waiting: the tier starts two a second.
+    await queued_together(clock, ctl, std, count=12, per_step=2, step_s=1.0)
+    held = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(10)]  # the 10th expects 5 s
     with pytest.raises(RateLimited) as info:
-        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)  # 11th: 6 steps, 6 s
     assert info.value.code == "tier_queue_wait" and info.value.headers["Retry-After"] == "1"
-    held[0].started()  # one left the queue: the next fits again
+    clock.now += 0.5
+    held[0].started(step=clock.now)  # one left the queue: the next fits again
     await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     # Premium, with no bound of its own, is not affected.
     for _ in range(4):  # up to its own max_waiting
         await ctl.admit(principal("p", Tier.PREMIUM), prompt_tokens=1, max_tokens=1)
 
 
+async def test_a_queue_served_one_at_a_time_says_nothing_of_how_many_a_step_starts():
+    """First tokens one at a time, each alone in the queue, took a second
+    each: one request a step only because the queue held one. A burst is
+    admitted whole, and refused only once steps that left requests waiting
+    that were queued when they were formed show how many a step starts."""
+    clock = Clock()
+    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=4.0))
+    std = principal("s", Tier.STANDARD)
+    await queued_one_at_a_time(clock, ctl, std, count=5, wait_s=1.0)
+    burst = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(64)]  # each admitted
+    for step in range(4):  # a step a second, 8 first tokens each
+        clock.now += 1.0
+        for ticket in burst[8 * step:8 * step + 8]:
+            ticket.started(step=clock.now)
+        if step == 1:
+            # The burst may have arrived after these two steps were formed.
+            await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    # The last two left the burst waiting: 8 a step, a second each; 33
+    # waiting, so the next is 5 steps off.
+    with pytest.raises(RateLimited) as info:
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    assert info.value.code == "tier_queue_wait"
+
+
+async def test_a_first_token_whose_step_is_unknown_says_nothing_of_the_pace():
+    """An output with no engine step (a failed request's) leaves the queue as
+    an unstarted request does; as a group of one it would pull the pace
+    toward one request a step."""
+
+    async def admitted_until_refused(leave) -> int:
+        clock = Clock()
+        ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=4.0))
+        std = principal("s", Tier.STANDARD)
+        await queued_together(clock, ctl, std, count=12, per_step=2, step_s=1.0)  # two a step, a step a second
+        tickets = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(8)]
+        for i, ticket in enumerate(tickets[:4]):
+            leave(ticket, i)
+        for n in range(100):
+            try:
+                await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+            except RateLimited:
+                return n
+        raise AssertionError("never refused")
+
+    unstarted = await admitted_until_refused(lambda ticket, i: ticket.release())
+    assert await admitted_until_refused(lambda ticket, i: ticket.started()) == unstarted == 4
+    # The same four in steps of their own: a different pace.
+    assert await admitted_until_refused(lambda ticket, i: ticket.started(step=100.0 + i)) != unstarted
+
+
 async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst():
     """A pause says nothing of how fast the server starts requests: after a
-    minute idle, a burst that the recent starts say will wait 4.8 s for its
-    last first token is admitted whole (counting the pause, the second
-    request already expected a minute)."""
+    minute idle, a burst is admitted whole (counting the pause, the second
+    request already expected a minute). A stall is not diluted by the
+    window's quick steps."""
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=10.0))
     std = principal("s", Tier.STANDARD)
-    await queued_one_at_a_time(clock, ctl, std, count=2, wait_s=0.3, gap_s=1.0)
+    await queued_one_at_a_time(clock, ctl, std, count=32, wait_s=0.3, gap_s=1.0)
     clock.now += 60.0
     for _ in range(16):  # each admitted: a refusal raises
         await ctl.admit(std, prompt_tokens=1, max_tokens=1)
-    # The queue holding someone and no first token for 10 s slows the rate:
-    # 2 starts over 10.6 s held, so the 17th would wait ~90 s.
-    clock.now += 10.0
+    # The queue holding someone and no first token for 10.5 s: the step in
+    # progress has taken that long (the window's mean, 0.63 s, would not refuse).
+    clock.now += 10.5
     with pytest.raises(RateLimited) as info:
         await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "tier_queue_wait"
@@ -205,7 +268,7 @@ async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst(
 
 async def test_requests_that_leave_unstarted_keep_the_time_they_held_the_queue():
     clock = Clock()
-    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
+    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=4.0))
     std = principal("s", Tier.STANDARD)
     await queued_one_at_a_time(clock, ctl, std, count=2, wait_s=1.0)  # one a second
     cancelled = await ctl.admit(std, prompt_tokens=1, max_tokens=1)
@@ -213,8 +276,8 @@ async def test_requests_that_leave_unstarted_keep_the_time_they_held_the_queue()
     cancelled.release()  # waited 8 s for nothing, then the queue stood empty
     clock.now += 100.0
     await ctl.admit(std, prompt_tokens=1, max_tokens=1)
-    # 2 starts over 2 + 8 s held: 0.2 a second, so a second waiting expects
-    # 10 s (without the cancelled request's 8 s, 2 s).
+    # 2 steps over 2 + 8 s held: one every 5 s, so a second waiting expects
+    # 5 s (without the cancelled request's 8 s, 1 s).
     with pytest.raises(RateLimited) as info:
         await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     assert info.value.code == "tier_queue_wait"

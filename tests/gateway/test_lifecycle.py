@@ -25,10 +25,11 @@ class Broken(RequestObserver):
 
 class Ticket:
     def __init__(self):
-        self.started_calls, self.released = 0, []
+        self.started_calls, self.released, self.steps = 0, [], []
 
-    def started(self):
+    def started(self, step=None):
         self.started_calls += 1
+        self.steps.append(step)
 
     def release(self, *, completion_tokens=None):
         self.released.append(completion_tokens)
@@ -73,6 +74,7 @@ def test_a_finished_request_gives_one_record_to_every_observer():
     life.close()
     life.close()
     assert gw.in_flight == 0 and ticket.released == [6]
+    assert set(ticket.steps) == {11.0}  # the engine step of the first token, for admission's grouping
     assert len(recorder.records) == 1 and other.records == recorder.records
     r = recorder.records[0]
     assert (r.tenant, r.tier, r.key_id, r.adapter, r.adapter_version) == ("acme", Tier.PREMIUM, "k1", "tiny-lora", 2)
