@@ -73,8 +73,10 @@ class SpoolFlusher:
     replay), when woken, every `interval_s`, and once more at stop."""
 
     def __init__(self, spool: Spool, ledger: Ledger, *, resolve: Resolver = _unchanged,
+                 on_moved: Callable[[list[UsageRecord]], None] | None = None,
                  interval_s: float = 1.0, max_backoff_s: float = 30.0, batch: int = 500):
         self.spool, self.ledger, self.resolve = spool, ledger, resolve
+        self.on_moved = on_moved  # called with each batch, as resolved, once it is in the ledger
         self.interval_s, self.max_backoff_s, self.batch = interval_s, max_backoff_s, batch
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -84,8 +86,14 @@ class SpoolFlusher:
         """Move everything spooled now; raises if the database fails."""
         moved = 0
         while batch := self.spool.pending(self.batch):
-            await self.ledger.append(await self.resolve(batch))
+            resolved = await self.resolve(batch)
+            await self.ledger.append(resolved)
             self.spool.remove([r.request_id for r in batch])
+            if self.on_moved is not None:
+                try:
+                    self.on_moved(resolved)
+                except Exception:  # noqa: BLE001 - the records are in the ledger; only a count is lost
+                    log.exception("usage spool: on_moved failed for %d records", len(resolved))
             moved += len(batch)
         return moved
 

@@ -28,6 +28,11 @@ LIMIT_FLAGS = {"--max-concurrent": "max_concurrent", "--requests-per-minute": "r
 # more than 4,300 digits with a traceback).
 _DURATION = re.compile(r"([1-9][0-9]{0,11})([smhd]?)")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# ASCII digits only: int() also takes "５", "1_000" and " 7 ", which the API's
+# JSON never does. Other text goes on to the schema, which refuses it; a
+# number of up to 20 digits goes as a number, so that its bound is what the
+# error names.
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
 
 
 def add_parsers(sub) -> None:
@@ -42,8 +47,10 @@ def add_parsers(sub) -> None:
     _add_adapters(sub, common)
 
 
-def _limit(value: str) -> int | None:
-    return None if value.lower() in ("none", "unlimited") else int(value)
+def _limit(value: str) -> int | str | None:
+    if value.lower() in ("none", "unlimited"):
+        return None
+    return int(value) if _INTEGER.fullmatch(value) else value
 
 
 def _add_tenants(sub, common) -> None:
@@ -227,7 +234,14 @@ def _tenant_line(t) -> str:
 
 def _key_line(k) -> str:
     expires = k.expires_at.isoformat() if k.expires_at else "never"
-    return f"{k.id}\t{k.prefix}...\t{k.status}\t{k.name or '-'}\texpires={expires}"
+    return f"{k.id}\t{k.prefix}...\t{k.status}\t{_one_field(k.name) if k.name else '-'}\texpires={expires}"
+
+
+def _one_field(text: str) -> str:
+    """A free-text name escaped so that it stays one tab-separated field of
+    one line (a key's name may hold tabs and newlines); a backslash is
+    doubled, so that an escaped tab and a typed "\\t" differ."""
+    return "".join("\\\\" if c == "\\" else c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _adapter_lines(a, *, every: bool) -> str:

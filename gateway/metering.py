@@ -106,6 +106,13 @@ class UsageObserver(RequestObserver):
             self.spool.append(records)
             self.flusher.wake()
 
+    def count_platform(self, records: list[UsageRecord]) -> None:
+        """The flusher's `on_moved`: adapter loads and overhead reach the
+        metrics once in the ledger, where an adapter load learns whom it is
+        billed to; requests and recompute were counted when settled. So
+        loragw:tenant_gpu_seconds_total sums to what the ledger charges."""
+        self._count([r for r in records if r.kind in (ADAPTER_LOAD, OVERHEAD)])
+
     def _count(self, records: list[UsageRecord]) -> None:
         count_usage = getattr(getattr(self.gw, "metrics", None), "count_usage", None)
         if count_usage is None:
@@ -172,6 +179,7 @@ def build_usage_observer(gw, *, spool_path, ledger, settle_timeout_s: float = 1.
     spool = Spool(spool_path)
     flusher = SpoolFlusher(spool, ledger, resolve=adapter_owner_resolver(gw.store))
     observer = UsageObserver(gw, meter, spool, flusher, settle_timeout_s=settle_timeout_s)
+    flusher.on_moved = observer.count_platform
     gw.observers.append(observer)
     gw.background.append(observer)
     return observer

@@ -88,6 +88,7 @@ class TokenBucket:
 
     def __init__(self, capacity: int, period_s: float, now: float):
         self.capacity = capacity
+        self.period_s = period_s
         self.rate = capacity / period_s
         self.level = float(capacity)
         self.stamp = now
@@ -116,6 +117,15 @@ class TokenBucket:
         self._refill(now)
         return self.level >= self.capacity
 
+    def resized(self, capacity: int, now: float) -> TokenBucket:
+        """This bucket under a new capacity, keeping what was used in the
+        last period: changing a tenant's limits must not hand it a fresh
+        minute's worth on top of what it just spent."""
+        self._refill(now)
+        bucket = TokenBucket(capacity, self.period_s, now)
+        bucket.level = capacity - (self.capacity - self.level)
+        return bucket
+
 
 class _TenantState:
     def __init__(self):
@@ -128,6 +138,12 @@ class _TenantState:
         """No request in flight and every bucket full again: the same as a
         fresh state, so it can be forgotten."""
         return self.active == 0 and all(b is None or b.full(now) for b in (self.requests, self.tokens))
+
+
+def _bucket(old: TokenBucket | None, capacity: int | None, now: float) -> TokenBucket | None:
+    if capacity is None:
+        return None
+    return TokenBucket(capacity, RATE_PERIOD_S, now) if old is None else old.resized(capacity, now)
 
 
 class _InMemoryHold(TenantHold):
@@ -210,8 +226,8 @@ class InMemoryTenantLimiter(TenantLimiter):
         seen = (limits.requests_per_minute, limits.tokens_per_minute)
         if seen != state.limits_seen:  # new tenant, or its limits were updated
             state.limits_seen = seen
-            state.requests = None if seen[0] is None else TokenBucket(seen[0], RATE_PERIOD_S, now)
-            state.tokens = None if seen[1] is None else TokenBucket(seen[1], RATE_PERIOD_S, now)
+            state.requests = _bucket(state.requests, seen[0], now)
+            state.tokens = _bucket(state.tokens, seen[1], now)
         return state
 
     def _sweep(self, now: float) -> None:

@@ -45,8 +45,9 @@ PROBE_EVERY_S = 1.0
 UNAVAILABLE_RETRY_S = 2
 
 # Shared by both scripts: the time, and the two buckets read and written.
-# A bucket's level is refilled to `now` on read; a capacity other than the
-# one it was filled at (the tenant's limits changed) starts it full again.
+# A bucket's level is refilled to `now` on read, at the capacity it was
+# filled at; under another capacity (the tenant's limits changed) it keeps
+# what was used, as the in-memory TokenBucket.resized does.
 _PRELUDE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -54,8 +55,9 @@ local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local f = redis.call('HMGET', KEYS[1], 'req', 'req_cap', 'req_at', 'tok', 'tok_cap', 'tok_at')
 local function level(value, cap_seen, at, cap)
   if cap < 0 then return nil end
-  if not tonumber(value) or tonumber(cap_seen) ~= cap then return cap end
-  return math.min(cap, tonumber(value) + (now - tonumber(at)) * cap / 60)
+  if not (tonumber(value) and tonumber(cap_seen) and tonumber(at)) then return cap end
+  local seen = tonumber(cap_seen)
+  return cap - (seen - math.min(seen, tonumber(value) + (now - tonumber(at)) * seen / 60))
 end
 local req = level(f[1], f[2], f[3], rpm)
 local tok = level(f[4], f[5], f[6], tpm)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -130,7 +131,8 @@ async def upload_adapter(request: Request, service: AdminService):
     """multipart/form-data: fields `name`, `tenant` (optional owner),
     `shared` (optional bool) and the files adapter_config.json and
     adapter_model.safetensors."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    media_type, _ = parse_options_header(request.headers.get("content-type", ""))
+    if media_type != b"multipart/form-data":  # lower-cased: media types are case-insensitive (RFC 9110)
         raise InvalidRequest("an adapter upload is a multipart/form-data body")
     request = await _buffered(request, gateway_of(request).config.max_upload_bytes)
     try:

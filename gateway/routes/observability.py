@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from gateway.deps import gateway_of, require_admin
 from gateway.errors import install_error_handlers
+from gateway.schemas.admin import AlertOut
 
 
 async def metrics(request: Request) -> Response:
@@ -40,8 +41,10 @@ async def alerts(request: Request) -> JSONResponse:
     """Firing alerts in Alertmanager's alert shape, newest last."""
     require_admin(request)
     gw = gateway_of(request)
-    firing = gw.slo.firing() if gw.slo is not None else []
-    return JSONResponse({"object": "list", "data": [alert.to_json() for alert in firing]})
+    firing = sorted(gw.slo.firing(), key=lambda alert: alert.starts_at) if gw.slo is not None else []
+    # Through the model the OpenAPI document declares, so the two agree.
+    data = [AlertOut.model_validate(alert.to_json()).model_dump() for alert in firing]
+    return JSONResponse({"object": "list", "data": data})
 
 
 def routes() -> list[Route]:

@@ -99,6 +99,8 @@ OPERATIONS = [
               security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("delete", "/admin/adapters/{name}", "delete an adapter (NAME) or one version (NAME@VERSION)",
               adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
+    Operation("get", "/admin/alerts", "the SLO monitor's firing alerts, newest last", list_of(adm.AlertOut),
+              security=ADMIN, errors=(401,)),
     Operation("get", "/admin/usage", "usage per tenant (`?tenant=` for one)", adm.ListOut, security=ADMIN,
               errors=(400, 401, 503), query=_USAGE_QUERY),
 ]

@@ -9,6 +9,7 @@ both the admin API and the CLI print, so the two can never disagree.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator,
@@ -27,6 +28,7 @@ ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]{0,
 MAX_LIMIT = 2**31 - 1
 Limit = Annotated[Annotated[StrictInt, Field(gt=0, le=MAX_LIMIT)] | None,
                   Field(description="None (null) means unlimited")]
+_ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 # A key's lifetime is bounded so that now + expires_in stays a datetime.
 MAX_KEY_LIFETIME_S = 100 * 365 * 86_400
 
@@ -81,6 +83,15 @@ class KeyCreate(_In):
     expires_at: AwareDatetime | None = None
     expires_in: Annotated[StrictInt, Field(gt=0, le=MAX_KEY_LIFETIME_S)] | None = Field(
         default=None, description="seconds from now")
+
+    @field_validator("expires_at", mode="before")
+    @classmethod
+    def _iso_text(cls, value: Any) -> Any:
+        # pydantic also reads a number, or text of digits, as Unix seconds;
+        # /openapi.json promises an ISO 8601 string, so only that is taken.
+        if value is not None and not (isinstance(value, str) and _ISO_DATE.match(value)):
+            raise ValueError("must be an ISO 8601 date-time string, such as 2030-01-31T12:00:00Z")
+        return value
 
     @field_validator("expires_at")
     @classmethod
@@ -165,6 +176,17 @@ class Deleted(BaseModel):
     object: str
     id: str
     deleted: Literal[True] = True
+
+
+class AlertOut(BaseModel):
+    """A firing alert, in the shape of Alertmanager's API (gateway.slo.Alert)."""
+    status: Literal["firing", "resolved"]
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    startsAt: str = Field(description="RFC 3339, UTC")
+    endsAt: str = Field(description="RFC 3339, UTC; the zero time while firing")
+    generatorURL: str
+    fingerprint: str
 
 
 class ListOut(BaseModel):

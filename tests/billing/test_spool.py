@@ -68,6 +68,31 @@ async def test_a_crash_between_insert_and_delete_replays_without_double_counting
     await engine.dispose()
 
 
+async def test_on_moved_sees_each_batch_once_after_the_ledger_has_it(db_url, tmp_path):
+    spool = Spool(tmp_path / "spool.db")
+    dead = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'missing' / 'dir' / 'x.db'}")
+    moved = []
+    flusher = SpoolFlusher(spool, Ledger(dead), on_moved=moved.append, batch=3)
+    spool.append([rec(i) for i in range(5)])
+    with pytest.raises(Exception):
+        await flusher.flush()
+    assert moved == [] and len(spool) == 5  # not in the ledger: not counted
+    good = create_engine(db_url)
+    flusher.ledger = Ledger(good)
+
+    def broken(records):
+        moved.append(records)
+        raise RuntimeError("a metrics bug")
+
+    flusher.on_moved = broken
+    assert await flusher.flush() == 5  # a failing callback costs a count, not the flush
+    assert [[r.request_id for r in batch] for batch in moved] == [["r0", "r1", "r2"], ["r3", "r4"]]
+    assert await flusher.flush() == 0 and len(moved) == 2
+    assert len(await Ledger(good).records()) == 5
+    await good.dispose()
+    await dead.dispose()
+
+
 def _mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import httpx
 import pytest
 from safetensors.torch import load, save
 
@@ -141,6 +142,9 @@ def test_key_lifecycle(client):
 @pytest.mark.parametrize("body, param, fragment", [
     ({"expires_at": "2001-01-01T00:00:00Z"}, "expires_at", "in the past"),
     ({"expires_at": "2999-01-01T00:00:00"}, "expires_at", "timezone"),
+    ({"expires_at": 32503680000}, "expires_at", "ISO 8601"),  # Unix seconds: not what the schema declares
+    ({"expires_at": "32503680000"}, "expires_at", "ISO 8601"),
+    ({"expires_at": 3.25e10}, "expires_at", "ISO 8601"),
     ({"expires_in": -5}, "expires_in", "greater than 0"),
     ({"expires_in": 60, "expires_at": "2999-01-01T00:00:00Z"}, None, "not both"),
     ({"secret": "mine"}, "secret", "Extra inputs"),
@@ -252,6 +256,18 @@ def test_pickle_bin_file_is_refused(client, tiny_adapter_dir):
 
 def test_upload_that_is_not_multipart(client):
     assert_error(client.post("/admin/adapters", json={"name": "bot"}, headers=ADMIN), 400, "multipart/form-data")
+
+
+def test_the_multipart_media_type_is_matched_without_regard_to_case(client, tiny_adapter_dir, registry):
+    data, files = upload_form("bot", *adapter_files(tiny_adapter_dir))
+    encoded = httpx.Request("POST", "http://x/admin/adapters", data=data, files=files)
+    content_type = encoded.headers["content-type"]
+    for sent, status in ((content_type.replace("multipart/form-data", "Multipart/Form-Data"), 201),
+                         (content_type.replace("multipart/form-data", "multipart/form-dataX"), 400)):
+        response = client.post("/admin/adapters", content=encoded.read(),
+                               headers={**ADMIN, "content-type": sent})
+        assert response.status_code == status, response.text
+    assert [m.name for m in registry.list()] == ["bot"]
 
 
 def test_upload_for_an_unknown_tenant_is_404(client, tiny_adapter_dir, registry):

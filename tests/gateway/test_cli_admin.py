@@ -175,7 +175,9 @@ def test_cli_and_admin_api_show_the_same_objects(cli, db_url, tmp_path, tiny_bas
 def test_cli_integers_past_their_column_and_huge_expiry_are_errors(cli):
     """The CLI parses into the admin API's schemas, so defect 7's bounds hold
     there too: an error line, not a traceback, and nothing is stored."""
-    assert "max_concurrent" in cli("tenants", "create", "acme", "--max-concurrent", str(2**63), ok=False)
+    assert "less than or equal to 2147483647" in cli("tenants", "create", "acme", "--max-concurrent", str(2**63),
+                                                     ok=False)
+    assert "greater than 0" in cli("tenants", "create", "acme", "--max-concurrent", "-1", ok=False)
     cli("tenants", "create", "acme")
     assert "tokens_per_minute" in cli("tenants", "update", "acme", "--tokens-per-minute", str(2**31), ok=False)
     assert "expires_in" in cli("keys", "create", "acme", "--expires-in", "999999999d", ok=False)
@@ -183,3 +185,19 @@ def test_cli_integers_past_their_column_and_huge_expiry_are_errors(cli):
     assert "expires_at" in cli("keys", "create", "acme", "--expires-at", "9999-12-31T23:00:00-05:00", ok=False)
     assert cli("keys", "list", "acme")["data"] == []
     assert cli("tenants", "get", "acme")["limits"]["tokens_per_minute"] is None
+
+
+@pytest.mark.parametrize("text", ["\uff15", "1_000", " 7", "7 ", "+7", "0x10", "٣"])
+def test_cli_limits_are_ascii_digits_as_the_api_takes_them(cli, text):
+    """int() reads all of these; the API's JSON takes none of them."""
+    assert "max_concurrent" in cli("tenants", "create", "acme", "--max-concurrent", text, ok=False)
+    assert cli("tenants", "list")["data"] == []
+
+
+def test_key_names_with_tabs_and_newlines_stay_one_field_of_one_line(cli):
+    cli("tenants", "create", "acme")
+    name = "ci\tbot\nnight\x1b[31m typed \\t"
+    cli("keys", "create", "acme", "--name", name)
+    assert cli("keys", "list", "acme")["data"][0]["name"] == name
+    lines = cli("keys", "list", "acme", as_json=False).splitlines()
+    assert len(lines) == 1 and lines[0].split("\t")[3] == r"ci\tbot\nnight\x1b[31m typed \\t", lines

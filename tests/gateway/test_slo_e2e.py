@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import jsonschema
 import pytest
 
 from engine.config import EngineConfig
@@ -85,6 +86,10 @@ def test_premium_is_protected_with_tiers_and_paged_when_starved_without(tiny_lla
         assert firing["status"] == "firing" and firing["alerts"][0]["labels"]["tier"] == "premium"
         alerts = httpx.get(f"{live.url}/admin/alerts", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
         assert [a["labels"]["alertname"] for a in alerts["data"]] == [ALERT_NAME]
+        # The answer is what /openapi.json declares for it.
+        doc = httpx.get(f"{live.url}/openapi.json").json()
+        declared = doc["paths"]["/admin/alerts"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.validate(alerts, {**declared, "components": doc["components"]})
         assert httpx.get(f"{live.url}/admin/alerts").status_code == 401
     finally:
         live.stop()

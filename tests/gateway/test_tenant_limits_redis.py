@@ -96,6 +96,38 @@ async def test_changed_limits_apply_from_the_next_request(replicas):
     await b.acquire(raised, 1)
 
 
+def _with_limits(one: Tenant, **limits) -> Tenant:
+    return Tenant(id=one.id, name=one.name, tier=one.tier, limits=TenantLimits(**limits))
+
+
+async def _changing_limits_keeps_what_was_used(limiter) -> None:
+    acme = tenant(requests_per_minute=5, tokens_per_minute=1000)
+    for _ in range(4):
+        await limiter.acquire(acme, 200)
+    # 4 requests and 800 tokens used. Lowered to 3 a minute: already past it.
+    with pytest.raises(RateLimited) as info:
+        await limiter.acquire(_with_limits(acme, requests_per_minute=3, tokens_per_minute=1000), 1)
+    assert info.value.limit == "requests_per_minute"
+    # Raised to 6 and 1200: two more requests, not six; 400 more tokens, not 1200.
+    raised = _with_limits(acme, requests_per_minute=6, tokens_per_minute=1200)
+    with pytest.raises(RateLimited) as info:
+        await limiter.acquire(raised, 500)
+    assert info.value.limit == "tokens_per_minute"
+    await limiter.acquire(raised, 200)
+    await limiter.acquire(raised, 100)
+    with pytest.raises(RateLimited) as info:
+        await limiter.acquire(raised, 1)
+    assert info.value.limit == "requests_per_minute"
+
+
+async def test_changed_limits_keep_what_was_used_in_redis(replicas):
+    await _changing_limits_keeps_what_was_used(replicas[0])
+
+
+async def test_changed_limits_keep_what_was_used_in_memory():
+    await _changing_limits_keeps_what_was_used(InMemoryTenantLimiter(clock=ManualClock()))
+
+
 async def test_an_oversized_request_fits_a_full_bucket_and_leaves_debt(replicas):
     a, b = replicas
     acme = tenant(tokens_per_minute=100)

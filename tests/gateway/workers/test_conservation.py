@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
+
 from billing.records import ADAPTER_LOAD, RECOMPUTE, REQUEST
 from gateway.tenancy import Tier
+from tests.gateway.test_metrics import scrape
 from tests.billing.live_helpers import ledger_records, request_id_of
 from tests.gateway.live import wait_for
 from tests.gateway.workers.live_fleet import start_fleet_server
@@ -96,6 +99,15 @@ def test_busy_time_is_conserved_per_worker_and_in_total(tmp_path, tiny_llama_dir
 
     records = ledger_records(server.db_url)
     assert sum(r.charged_us for r in records) == sum(s.busy_time_us for s in snapshots.values()) > 0
+    # The metric bills each tenant what the ledger does: adapter loads,
+    # recompute and overhead (platform-overhead) included.
+    billed = Counter()
+    for r in records:
+        billed[r.tenant] += r.charged_us
+    samples = scrape(server.live.gateway.metrics.render().decode())
+    counted = {dict(labels)["tenant"]: v for (name, labels), v in samples.items()
+               if name == "loragw:tenant_gpu_seconds_total"}
+    assert counted == pytest.approx({tenant: us / 1e6 for tenant, us in billed.items()}, abs=1e-6)
     assert any(r.kind == RECOMPUTE and r.tenant == "gold" for r in records)
     assert any(r.kind == ADAPTER_LOAD and r.tenant == "gold" for r in records)
     requests = [r for r in records if r.kind == REQUEST]
