@@ -260,16 +260,18 @@ class FleetSim:
                 self._push(max(ready, self.now), "wake", index)
             return
         self._steps += 1
-        self._pending_steps[index] = started
+        self._pending_steps[index] = (*started, float(self._steps))
         self._push(self.now + started[1], "step_end", index)
 
     def _end_step(self, index: int) -> None:
-        out, busy_s = self._pending_steps.pop(index)
+        out, busy_s, step = self._pending_steps.pop(index)
         for update in self.workers[index].end_step(out, busy_s):
             rec = self._records[update.request_id]
             if rec.first_token_t is None:
                 rec.first_token_t = self.now
-                rec.ticket.started()
+                # The step's number, not the time: two workers' steps may end at one simulated moment, and
+                # admission counts a step's first tokens as one group.
+                rec.ticket.started(step=step)
             if update.finish_reason is not None:
                 self._close(rec, "finished")
         if self.after_step is not None:

@@ -144,16 +144,19 @@ class _TierState:
         """Seconds until the request at `position` (1: next) gets its first
         token: the steps it waits for, times the time per group. A step
         starts as many as the window's saturated groups did on average; with
-        fewer than two of those, a step starts everyone waiting. The time
-        per group is never less than the current one has taken so far: a
-        stall must not be diluted by the window's quick groups. None until
-        two groups are known."""
+        fewer than two of those, a step starts everyone waiting. The step in
+        progress takes at least what it has taken so far, so a stall is not
+        diluted by the window's quick groups; the steps after it take the
+        mean (one slow gap, common while first tokens wait for seats to
+        free, does not make every later step slow). None until two groups
+        are known."""
         held = self._held_s(now)
         if len(self.groups) < 2 or held <= 0:
             return None
         full = [g.count for g in self.groups if g.saturated]
         steps = math.ceil(position * len(full) / sum(full)) if len(full) >= 2 else 1
-        return steps * max(held / len(self.groups), self._open_s(now))
+        mean = held / len(self.groups)
+        return max(mean, self._open_s(now)) + (steps - 1) * mean
 
     def drain_estimate_s(self, now: float) -> float:
         """How long until a waiting slot frees, from the recent start rate."""

@@ -220,6 +220,19 @@ async def test_a_queue_served_one_at_a_time_says_nothing_of_how_many_a_step_star
     assert info.value.code == "tier_queue_wait"
 
 
+async def test_one_slow_gap_slows_the_step_in_progress_not_every_step_after_it():
+    clock = Clock()
+    ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=10.0))
+    std = principal("s", Tier.STANDARD)
+    await queued_together(clock, ctl, std, count=40, per_step=2, step_s=0.25)  # two a step, four steps a second
+    for _ in range(40):
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    clock.now += 0.5  # no first token for twice the usual gap, as while seats are full
+    # The 41st: this step 0.5 s, then 20 more at the mean (0.275 s): 6 s.
+    # Taking every step as slow as this one, 10.5 s, refused it.
+    await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+
+
 async def test_a_first_token_whose_step_is_unknown_says_nothing_of_the_pace():
     """An output with no engine step (a failed request's) leaves the queue as
     an unstarted request does; as a group of one it would pull the pace
@@ -232,6 +245,7 @@ async def test_a_first_token_whose_step_is_unknown_says_nothing_of_the_pace():
         await queued_together(clock, ctl, std, count=12, per_step=2, step_s=1.0)  # two a step, a step a second
         tickets = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(8)]
         for i, ticket in enumerate(tickets[:4]):
+            clock.now += 0.5
             leave(ticket, i)
         for n in range(100):
             try:
@@ -240,10 +254,12 @@ async def test_a_first_token_whose_step_is_unknown_says_nothing_of_the_pace():
                 return n
         raise AssertionError("never refused")
 
+    # Four leave half a second apart: unstarted, the step in progress has
+    # taken 2 s, and the next request is refused at once.
     unstarted = await admitted_until_refused(lambda ticket, i: ticket.release())
-    assert await admitted_until_refused(lambda ticket, i: ticket.started()) == unstarted == 4
-    # The same four in steps of their own: a different pace.
-    assert await admitted_until_refused(lambda ticket, i: ticket.started(step=100.0 + i)) != unstarted
+    assert await admitted_until_refused(lambda ticket, i: ticket.started()) == unstarted == 0
+    # The same four in steps of their own: a quicker pace.
+    assert await admitted_until_refused(lambda ticket, i: ticket.started(step=100.0 + i)) == 4
 
 
 async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst():
