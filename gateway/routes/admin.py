@@ -8,6 +8,7 @@ the handler runs. Handlers parse their input into a schema and call the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 
 from python_multipart.multipart import parse_options_header
@@ -23,10 +24,11 @@ from gateway.deps import gateway_of, require_admin
 from gateway.engine_client import EngineNotReady
 from gateway.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from gateway.json_body import load_json
-from gateway.schemas.admin import AdapterUpload, KeyCreate, ListOut, TenantCreate, TenantUpdate, parse
+from gateway.schemas.admin import (TENANT_NAME_PATTERN, TENANT_NAME_RULE, USAGE_PAGE_MAX_ROWS, USAGE_PAGE_ROWS,
+                                   AdapterUpload, KeyCreate, ListOut, TenantCreate, TenantUpdate, UsagePage, parse)
 from gateway.schemas.text import refuse_nul
 
-USAGE_QUERY = ("tenant", "since", "until", "group_by")
+USAGE_QUERY = ("tenant", "since", "until", "group_by", "limit", "cursor")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "pytorch_model.bin")
@@ -203,10 +205,11 @@ async def delete_adapter(request: Request, service: AdminService):
 async def usage(request: Request, service: AdminService):
     """Usage from the billing ledger, priced per tier: per-record rows, or
     per-tenant totals with `group_by=hour|day`, over `[since, until)`
-    (ISO dates or datetimes). `?tenant=` is the name the records were
-    made under: a deleted tenant's usage stays there, and a name reused
-    since has both tenants' records, told apart by `tenant_id`."""
-    from billing.export import GROUP_BY, parse_time, usage_rows
+    (ISO dates or datetimes), `limit` rows a page. `?tenant=` is the name
+    the records were made under: a deleted tenant's usage stays there, and
+    a name reused since has both tenants' records, told apart by
+    `tenant_id`."""
+    from billing.export import GROUP_BY, decode_cursor, parse_time, usage_page
     from billing.ledger import Ledger
 
     q = request.query_params
@@ -220,6 +223,10 @@ async def usage(request: Request, service: AdminService):
     if repeated is not None:  # `?tenant=a&tenant=b` must not quietly mean b
         raise InvalidRequest(f"query parameter {repeated!r} is given more than once", param=repeated)
     tenant = _stored(q.get("tenant"), "tenant")
+    # Records are made under tenant names, so a name no tenant could have
+    # is a mistake to point out, not an empty list.
+    if tenant is not None and not re.fullmatch(TENANT_NAME_PATTERN, tenant):
+        raise InvalidRequest(f"tenant: not a tenant name ({TENANT_NAME_RULE})", param="tenant")
     bounds = {}
     for param in ("since", "until"):
         try:
@@ -229,10 +236,20 @@ async def usage(request: Request, service: AdminService):
     group_by = q.get("group_by", "none")
     if group_by not in GROUP_BY:
         raise InvalidRequest(f"group_by must be one of {', '.join(GROUP_BY)}", param="group_by")
+    limit = q.get("limit", str(USAGE_PAGE_ROWS))
+    # ASCII digits only: int() would also take "１０", " 10" and "1_0", and
+    # refuse more than 4,300 digits with a ValueError of its own.
+    if not (re.fullmatch(r"[0-9]{1,6}", limit) and 1 <= int(limit) <= USAGE_PAGE_MAX_ROWS):
+        raise InvalidRequest(f"limit must be an integer from 1 to {USAGE_PAGE_MAX_ROWS}", param="limit")
+    try:
+        after = decode_cursor(group_by, q["cursor"]) if q.get("cursor") else None
+    except ValueError as exc:
+        raise InvalidRequest(f"cursor: {exc}", param="cursor") from None
     gw = gateway_of(request)
-    rows = await usage_rows(Ledger(gw.store.engine), gw.config.prices, group_by=group_by,
-                            since_us=bounds["since"], until_us=bounds["until"], tenant=tenant)
-    return ListOut(data=rows)
+    rows, next_cursor = await usage_page(Ledger(gw.store.engine), gw.config.prices, group_by=group_by,
+                                         since_us=bounds["since"], until_us=bounds["until"], tenant=tenant,
+                                         after=after, limit=int(limit))
+    return UsagePage(data=rows, has_more=next_cursor is not None, next_cursor=next_cursor)
 
 
 def routes() -> list[Route]:

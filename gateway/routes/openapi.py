@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from billing.export import CURSOR_PATTERN, MAX_CURSOR
 from gateway.schemas import admin as adm
 from gateway.schemas import openai as oai
 
@@ -60,6 +61,10 @@ _USAGE_QUERY = (
     ("since", _ISO_TIME),
     ("until", {**_ISO_TIME, "description": "exclusive; " + _ISO_TIME["description"]}),
     ("group_by", {"type": "string", "enum": ["none", "hour", "day"], "default": "none"}),
+    ("limit", {"type": "integer", "minimum": 1, "maximum": adm.USAGE_PAGE_MAX_ROWS, "default": adm.USAGE_PAGE_ROWS,
+               "description": "rows a page"}),
+    ("cursor", {"type": "string", "pattern": CURSOR_PATTERN, "maxLength": MAX_CURSOR,
+                "description": "the previous page's next_cursor; empty: the first page"}),
 )
 
 OPERATIONS = [
@@ -101,8 +106,8 @@ OPERATIONS = [
               adm.Deleted, security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("get", "/admin/alerts", "the SLO monitor's firing alerts, newest last", list_of(adm.AlertOut),
               security=ADMIN, errors=(401,)),
-    Operation("get", "/admin/usage", "usage per tenant (`?tenant=` for one)", adm.ListOut, security=ADMIN,
-              errors=(400, 401, 503), query=_USAGE_QUERY),
+    Operation("get", "/admin/usage", "usage per tenant (`?tenant=` for one), a page at a time", adm.UsagePage,
+              security=ADMIN, errors=(400, 401, 503), query=_USAGE_QUERY),
 ]
 
 _ERROR_TEXT = {400: "invalid request", 401: "missing or invalid credentials", 404: "not found",

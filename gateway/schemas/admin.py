@@ -20,7 +20,8 @@ from gateway.schemas.text import stored_text
 from gateway.tenancy import Tier
 
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
-TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN, description="a-z 0-9 _ -, at most 64")]
+TENANT_NAME_RULE = "a-z 0-9 _ -, at most 64"
+TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN, description=TENANT_NAME_RULE)]
 ADAPTER_NAME_PATTERN = r"^(?!.*\.\.)[a-z0-9][a-z0-9._-]{0,63}$"  # adapters.registry.validate_name
 # NAME or NAME@VERSION, as adapters.registry.parse_ref takes it (a version of at most nine digits)
 ADAPTER_REF_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]{0,8})?$"
@@ -192,3 +193,14 @@ class AlertOut(BaseModel):
 class ListOut(BaseModel):
     object: Literal["list"] = "list"
     data: list[Any]
+
+
+# /admin/usage answers a page at a time: the ledger grows without bound.
+USAGE_PAGE_ROWS = 1000
+USAGE_PAGE_MAX_ROWS = 10_000
+
+
+class UsagePage(ListOut):
+    """A page of `/admin/usage`; `next_cursor`, sent back as `?cursor=`, asks for the next."""
+    has_more: bool
+    next_cursor: str | None = Field(description="null on the last page")

@@ -5,6 +5,7 @@ same figures as JSON, on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import csv
 import datetime as dt
 import io
@@ -241,3 +242,144 @@ def test_admin_usage_refuses_bad_parameters(api):
     for query in ("group_by=week", "since=yesterday"):
         response = api.get(f"/admin/usage?{query}", headers=ADMIN)
         assert response.status_code == 400, response.text
+
+
+def _pages(api, params: dict, limit: int) -> list[dict]:
+    """Every page of /admin/usage at `limit` rows a page, each checked."""
+    pages, cursor = [], None
+    while True:
+        response = api.get("/admin/usage", headers=ADMIN,
+                           params={**params, "limit": limit, **({"cursor": cursor} if cursor else {})})
+        assert response.status_code == 200, response.text
+        page = response.json()
+        assert page["has_more"] == (page["next_cursor"] is not None)
+        assert len(page["data"]) == limit if page["has_more"] else len(page["data"]) <= limit
+        pages.append(page)
+        if not page["has_more"]:
+            return pages
+        cursor = page["next_cursor"]
+        assert len(pages) < 100, "the cursor does not move"
+
+
+@pytest.mark.parametrize("query", [{}, {"group_by": "day"}, {"group_by": "hour"}, {"tenant": "silver"},
+                                   {"group_by": "day", "tenant": "gold"}])
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 100])
+def test_admin_usage_pages_are_the_export_in_order(api, export, query, limit):
+    """The pages, one after another, are what the export writes unpaged:
+    each row once, in its order, whatever the page size."""
+    params = {"since": "2026-11-01", "until": "2026-11-03", **query}
+    flags = [*RANGE, *PRICE_FLAGS, "--format", "jsonl", *(["--group-by", query["group_by"]] if "group_by" in query
+                                                           else []), *(["--tenant", query["tenant"]] if "tenant" in
+                                                                       query else [])]
+    exported = [json.loads(line) for line in export(*flags).splitlines()]
+    pages = _pages(api, params, limit)
+    assert [row for page in pages for row in page["data"]] == exported
+    assert len(pages) == max(1, -(-len(exported) // limit))  # a full last page says so: no empty page after it
+
+
+def test_admin_usage_paging_holds_while_records_arrive(api, ledger_db):
+    """Records appended between two pages: those there all along come once
+    each (an offset would repeat one), and the new ones that sort later
+    come on the later pages."""
+    first = api.get("/admin/usage", headers=ADMIN, params={"limit": 3}).json()
+    assert [r["request_id"] for r in first["data"]] == ["adapter-load/1", "g1", "s1/recompute/g1"]
+
+    async def append_more():
+        engine = create_engine(ledger_db)
+        try:
+            await Ledger(engine).append([rec("early", REQUEST, "gold", "premium", at(0, 0), gpu_us=1),
+                                         rec("late", REQUEST, "gold", "premium", at(5, 0), gpu_us=1)])
+        finally:
+            await engine.dispose()
+
+    asyncio.run(append_more())
+    rest = _pages_from(api, first["next_cursor"])
+    ids = [r["request_id"] for r in first["data"]] + [r["request_id"] for r in rest]
+    assert ids == [r.request_id for r in sorted(RECORDS, key=lambda r: (r.ended_at_us, r.request_id))] + ["late"]
+
+
+def _pages_from(api, cursor: str) -> list[dict]:
+    rows = []
+    while cursor:
+        page = api.get("/admin/usage", headers=ADMIN, params={"limit": 2, "cursor": cursor}).json()
+        rows += page["data"]
+        cursor = page["next_cursor"]
+    return rows
+
+
+def test_admin_usage_takes_its_largest_page_and_the_lowest_totals_cursor(api):
+    from gateway.schemas.admin import USAGE_PAGE_MAX_ROWS
+
+    page = api.get("/admin/usage", headers=ADMIN, params={"limit": USAGE_PAGE_MAX_ROWS})
+    assert page.status_code == 200 and len(page.json()["data"]) == len(RECORDS)
+    # A period at BIGINT's floor: the totals' time bound below it would overflow.
+    lowest = _cursor(["hour", -2**63, "", "", ""])
+    totals = api.get("/admin/usage", headers=ADMIN, params={"group_by": "hour", "cursor": lowest})
+    assert totals.status_code == 200, totals.text
+    assert totals.json()["data"] == api.get("/admin/usage", headers=ADMIN, params={"group_by": "hour"}).json()["data"]
+
+
+def test_admin_usage_answers_a_page_of_its_default_size(api, ledger_db):
+    from gateway.schemas.admin import USAGE_PAGE_ROWS
+
+    async def fill():
+        engine = create_engine(ledger_db)
+        try:
+            await Ledger(engine).append([rec(f"bulk-{i:05d}", REQUEST, "silver", "standard", at(3, 0) + i, gpu_us=1)
+                                         for i in range(USAGE_PAGE_ROWS)])
+        finally:
+            await engine.dispose()
+
+    asyncio.run(fill())
+    page = api.get("/admin/usage", headers=ADMIN).json()
+    assert len(page["data"]) == USAGE_PAGE_ROWS and page["has_more"]
+    last = api.get("/admin/usage", headers=ADMIN, params={"cursor": page["next_cursor"]}).json()
+    assert len(last["data"]) == len(RECORDS) and not last["has_more"] and last["next_cursor"] is None
+
+
+def _cursor(value) -> str:
+    """As the endpoint spells a cursor, so that each bad one below is bad for its own reason."""
+    return _b64(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"limit": "0"}, "limit"),
+    ({"limit": "10001"}, "limit"),
+    ({"limit": "-1"}, "limit"),
+    ({"limit": ""}, "limit"),
+    ({"limit": "1_0"}, "limit"),
+    ({"limit": " 10"}, "limit"),
+    ({"limit": "１０"}, "limit"),
+    ({"limit": "1" * 5000}, "limit"),  # int() refuses past 4,300 digits: it was a 500
+    ({"tenant": "Gold"}, "tenant"),  # no tenant can have the name: a mistake, not an empty list
+    ({"tenant": "gold\n"}, "tenant"),
+    ({"tenant": ""}, "tenant"),
+    ({"tenant": "g" * 65}, "tenant"),
+    ({"cursor": "not a cursor"}, "cursor"),
+    ({"cursor": "!!!!"}, "cursor"),
+    ({"cursor": _cursor(["none", 1, "g1"]) + "!"}, "cursor"),  # b64decode would drop the "!"
+    ({"cursor": _cursor(["none", 1, "g1"]) + "\n"}, "cursor"),  # and the newline
+    ({"cursor": _b64(b'["none", 1, "g1"]')}, "cursor"),  # the same key, spelt another way
+    ({"cursor": _cursor(["hour", -2**63, "gold", "id-gold", "premium"])}, "cursor"),  # another grouping's
+    ({"cursor": _cursor({"a": 1})}, "cursor"),
+    ({"cursor": _cursor(["none", 1])}, "cursor"),
+    ({"cursor": _cursor(["none", "1", "x"])}, "cursor"),
+    ({"cursor": _cursor(["none", True, "x"])}, "cursor"),
+    ({"cursor": _cursor(["none", 2**70, "x"])}, "cursor"),  # past BIGINT: was it a driver error?
+    ({"cursor": _cursor(["none", 1, "x\u0000y"])}, "cursor"),
+    ({"cursor": _b64(b'["none",1,"\\ud800"]')}, "cursor"),
+    ({"cursor": _cursor(["week", 1, "x"])}, "cursor"),
+    ({"cursor": _cursor(["day", 1, "gold", "id-gold", "premium"])}, "cursor"),  # another grouping's
+    ({"cursor": _cursor([[[[["none"]]]]])}, "cursor"),
+    ({"cursor": _b64(b"[" * 3000)}, "cursor"),  # json's RecursionError
+    ({"cursor": _b64(b"[" * 100_000)[:8000]}, "cursor"),
+    ({"cursor": _cursor(["none", 1, "x" * 5000])}, "cursor"),
+])
+def test_admin_usage_refuses_a_bad_page_request(api, params, param):
+    response = api.get("/admin/usage", headers=ADMIN, params=params)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

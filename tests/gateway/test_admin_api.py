@@ -292,7 +292,8 @@ def test_upload_over_the_size_limit_is_413(db_url, registry, tiny_adapter_dir):
 
 def test_usage_is_an_empty_list_until_billing_fills_it(client):
     make_tenant(client)
-    assert client.get("/admin/usage", headers=ADMIN).json() == {"object": "list", "data": []}
+    empty = {"object": "list", "data": [], "has_more": False, "next_cursor": None}
+    assert client.get("/admin/usage", headers=ADMIN).json() == empty
     assert client.get("/admin/usage?tenant=acme", headers=ADMIN).json()["data"] == []
     # A name no tenant has now may still have records (a deleted tenant's): never a 404.
-    assert client.get("/admin/usage?tenant=ghost", headers=ADMIN).json() == {"object": "list", "data": []}
+    assert client.get("/admin/usage?tenant=ghost", headers=ADMIN).json() == empty
