@@ -239,7 +239,7 @@ async def usage(request: Request, service: AdminService):
     limit = q.get("limit", str(USAGE_PAGE_ROWS))
     # ASCII digits only: int() would also take "１０", " 10" and "1_0", and
     # refuse more than 4,300 digits with a ValueError of its own.
-    if not (re.fullmatch(r"[0-9]{1,6}", limit) and 1 <= int(limit) <= USAGE_PAGE_MAX_ROWS):
+    if not (re.fullmatch(r"[0-9]{1,20}", limit) and 1 <= int(limit) <= USAGE_PAGE_MAX_ROWS):
         raise InvalidRequest(f"limit must be an integer from 1 to {USAGE_PAGE_MAX_ROWS}", param="limit")
     try:
         after = decode_cursor(group_by, q["cursor"]) if q.get("cursor") else None

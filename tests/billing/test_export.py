@@ -312,6 +312,8 @@ def test_admin_usage_takes_its_largest_page_and_the_lowest_totals_cursor(api):
 
     page = api.get("/admin/usage", headers=ADMIN, params={"limit": USAGE_PAGE_MAX_ROWS})
     assert page.status_code == 200 and len(page.json()["data"]) == len(RECORDS)
+    padded = api.get("/admin/usage", headers=ADMIN, params={"limit": "0000002"})  # an integer in range, as documented
+    assert padded.status_code == 200 and len(padded.json()["data"]) == 2
     # A period at BIGINT's floor: the totals' time bound below it would overflow.
     lowest = _cursor(["hour", -2**63, "", "", ""])
     totals = api.get("/admin/usage", headers=ADMIN, params={"group_by": "hour", "cursor": lowest})

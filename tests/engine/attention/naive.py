@@ -43,6 +43,8 @@ def naive_paged_attention(
     out = torch.zeros(query.shape, dtype=torch.float64)
     t = 0
     for seq in range(len(seq_lens)):
+        if query_lens[seq] == 0:
+            continue
         keys, values = [], []
         for p in range(seq_lens[seq]):
             block = block_tables[seq][p // block_size]
