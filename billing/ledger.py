@@ -87,8 +87,9 @@ class Ledger:
         # The key's period cannot use the time index; this bound, which holds
         # for SQL's truncating division of either sign, lets each page read
         # only from the cursor's period on (none is needed below BIGINT's range).
-        if after is not None and after[0] - PERIOD_US[group_by] >= -2**63:
-            stmt = stmt.where(t.ended_at_us > after[0] - PERIOD_US[group_by])
+        lowest = None if after is None else after[0] - PERIOD_US[group_by]
+        if lowest is not None and lowest >= -2**63:
+            stmt = stmt.where(t.ended_at_us > lowest)
         stmt = _page(stmt, (period, t.tenant, t.tenant_id, t.tier), after, limit)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(stmt)).all()

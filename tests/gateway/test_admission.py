@@ -178,6 +178,14 @@ async def queued_together(clock, ctl, std, *, count: int, per_step: int, step_s:
     return tickets
 
 
+async def refused_for_queue_wait(ctl, std) -> RateLimited:
+    """The next standard request, refused for the tier's expected queue wait."""
+    with pytest.raises(RateLimited) as info:
+        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
+    assert info.value.code == "tier_queue_wait"
+    return info.value
+
+
 async def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     clock = Clock()
     ctl = controller(clock, standard=TierLimits(max_waiting=100, max_queue_wait_s=5.0))
@@ -185,9 +193,7 @@ async def test_a_queue_that_would_hold_a_request_too_long_refuses_it():
     # Steps that left older requests waiting: the tier starts two a second.
     await queued_together(clock, ctl, std, count=12, per_step=2, step_s=1.0)
     held = [await ctl.admit(std, prompt_tokens=1, max_tokens=1) for _ in range(10)]  # the 10th expects 5 s
-    with pytest.raises(RateLimited) as info:
-        await ctl.admit(std, prompt_tokens=1, max_tokens=1)  # 11th: 6 steps, 6 s
-    assert info.value.code == "tier_queue_wait" and info.value.headers["Retry-After"] == "1"
+    assert (await refused_for_queue_wait(ctl, std)).headers["Retry-After"] == "1"  # 11th: 6 steps, 6 s
     clock.now += 0.5
     held[0].started(step=clock.now)  # one left the queue: the next fits again
     await ctl.admit(std, prompt_tokens=1, max_tokens=1)
@@ -215,9 +221,7 @@ async def test_a_queue_served_one_at_a_time_says_nothing_of_how_many_a_step_star
             await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     # The last two left the burst waiting: 8 a step, a second each; 33
     # waiting, so the next is 5 steps off.
-    with pytest.raises(RateLimited) as info:
-        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
-    assert info.value.code == "tier_queue_wait"
+    await refused_for_queue_wait(ctl, std)
 
 
 async def test_one_slow_gap_slows_the_step_in_progress_not_every_step_after_it():
@@ -277,9 +281,7 @@ async def test_time_the_queue_stood_empty_is_not_counted_against_the_next_burst(
     # The queue holding someone and no first token for 10.5 s: the step in
     # progress has taken that long (the window's mean, 0.63 s, would not refuse).
     clock.now += 10.5
-    with pytest.raises(RateLimited) as info:
-        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
-    assert info.value.code == "tier_queue_wait"
+    await refused_for_queue_wait(ctl, std)
 
 
 async def test_requests_that_leave_unstarted_keep_the_time_they_held_the_queue():
@@ -294,9 +296,7 @@ async def test_requests_that_leave_unstarted_keep_the_time_they_held_the_queue()
     await ctl.admit(std, prompt_tokens=1, max_tokens=1)
     # 2 steps over 2 + 8 s held: one every 5 s, so a second waiting expects
     # 5 s (without the cancelled request's 8 s, 1 s).
-    with pytest.raises(RateLimited) as info:
-        await ctl.admit(std, prompt_tokens=1, max_tokens=1)
-    assert info.value.code == "tier_queue_wait"
+    await refused_for_queue_wait(ctl, std)
 
 
 async def test_precheck_refuses_only_what_admit_would_and_takes_nothing():
