@@ -49,9 +49,12 @@ class RequestObserver(abc.ABC):
     slow work (a database write) rather than doing it here. An exception is
     logged and does not affect the request or the other observers."""
 
-    def on_request_start(self, request_id: str, principal: Principal,
-                         adapter_key: tuple[str, int, str] | None) -> None:
-        """Called once admission let the request in, before it reaches the engine."""
+    def on_request_start(self, request_id: str, principal: Principal, adapter_key: tuple[str, int, str] | None,
+                         adapter_owner: str | None) -> None:
+        """Called once admission let the request in, before it reaches the
+        engine. `adapter_owner` is the name of the tenant that owned the
+        adapter when the request was admitted (None: a platform adapter, or
+        the base model)."""
 
     @abc.abstractmethod
     def on_request_end(self, record: RequestRecord) -> None: ...
@@ -59,7 +62,7 @@ class RequestObserver(abc.ABC):
 
 class RequestLifecycle:
     def __init__(self, gw, ticket, principal: Principal, *, request_id: str, model: str,
-                 adapter_key: tuple[str, int, str] | None, prompt_tokens: int):
+                 adapter_key: tuple[str, int, str] | None, adapter_owner: str | None, prompt_tokens: int):
         self.gw, self.ticket, self.principal = gw, ticket, principal
         self.request_id, self.model, self.adapter_key = request_id, model, adapter_key
         self.prompt_tokens = prompt_tokens
@@ -74,7 +77,7 @@ class RequestLifecycle:
         self._t0 = gw.clock()
         gw.in_flight += 1
         for observer in gw.observers:
-            observer.on_request_start(request_id, principal, adapter_key)
+            observer.on_request_start(request_id, principal, adapter_key, adapter_owner)
 
     def saw(self, out: RequestOutput) -> RequestOutput:
         self.last = out

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import logging
 import uuid
+from collections import OrderedDict
 
 from billing.meter import PLATFORM_OVERHEAD, Account, Meter, MeteredUsage
 from billing.records import (ADAPTER_LOAD, MAX_RECORD_ID, OVERHEAD, RECOMPUTE, REQUEST, UsageRecord,
@@ -28,6 +29,11 @@ from gateway.store.base import NotFound
 log = logging.getLogger(__name__)
 
 _SETTLED_AT_ONCE = ("stop", "length")
+# Adapter versions whose owner a request showed us, for their loads'
+# records. A version's owner never changes (another owner means a new
+# version), so forgetting the oldest costs only the lookup at flush.
+MAX_KNOWN_OWNERS = 4096
+_UNKNOWN_OWNER = Account("", "", None, "")
 
 
 class UsageObserver(RequestObserver):
@@ -36,12 +42,25 @@ class UsageObserver(RequestObserver):
         self.gw, self.meter, self.spool, self.flusher = gw, meter, spool, flusher
         self.settle_timeout_s, self.poll_s = settle_timeout_s, poll_s
         self._waiting: dict[str, RequestRecord] = {}  # ended, waiting for the engine's running step
+        # (adapter, version) -> its owner: the whole account where the owner
+        # sent the request, else the name alone (the flusher looks it up).
+        self._owners: OrderedDict[tuple[str, int], Account] = OrderedDict()
 
     # ---- RequestObserver ----------------------------------------------------------
 
-    def on_request_start(self, request_id: str, principal, adapter_key) -> None:
+    def on_request_start(self, request_id: str, principal, adapter_key, adapter_owner) -> None:
         tenant = principal.tenant
         self.meter.register(request_id, Account(tenant.id, tenant.name, principal.key_id, tenant.tier.value))
+        if adapter_key is not None and adapter_owner is not None:
+            # Known now, not at flush: the owner may delete the adapter, and
+            # its grant with it, before the load's record reaches the ledger.
+            owner = (Account(tenant.id, tenant.name, None, tenant.tier.value) if adapter_owner == tenant.name
+                     else Account("", adapter_owner, None, ""))
+            key = (adapter_key[0], adapter_key[1])
+            self._owners[key] = owner
+            self._owners.move_to_end(key)
+            if len(self._owners) > MAX_KNOWN_OWNERS:
+                self._owners.popitem(last=False)
 
     def on_request_end(self, record: RequestRecord) -> None:
         if record.finish_reason in _SETTLED_AT_ONCE:
@@ -90,10 +109,13 @@ class UsageObserver(RequestObserver):
     def _platform_records(self) -> list[UsageRecord]:
         """Overhead accrued and adapter loads made since the last call."""
         now = to_us(self.gw.wall_clock())
-        out = [UsageRecord(request_id=f"adapter-load/{load.load_id}", kind=ADAPTER_LOAD, tenant_id="", tenant="",
-                           tier="", ended_at_us=now, adapter=load.adapter_key[0], adapter_version=load.adapter_key[1],
-                           adapter_load_us=load.load_us)
-               for load in self.meter.take_adapter_loads()]
+        out = []
+        for load in self.meter.take_adapter_loads():
+            owner = self._owners.get((load.adapter_key[0], load.adapter_key[1]), _UNKNOWN_OWNER)
+            out.append(UsageRecord(request_id=f"adapter-load/{load.load_id}", kind=ADAPTER_LOAD,
+                                   tenant_id=owner.tenant_id, tenant=owner.tenant, tier=owner.tier, ended_at_us=now,
+                                   adapter=load.adapter_key[0], adapter_version=load.adapter_key[1],
+                                   adapter_load_us=load.load_us))
         overhead_us = self.meter.take_overhead_us()
         if overhead_us:
             o = PLATFORM_OVERHEAD
@@ -144,14 +166,16 @@ def _request_record(record: RequestRecord, usage: MeteredUsage) -> UsageRecord:
 
 
 def adapter_owner_resolver(store):
-    """For the flusher: adapter-load records get their owner tenant from the
-    adapter's grant (a platform adapter, or a deleted one, is overhead)."""
+    """For the flusher: an adapter-load record without its owner's account
+    gets it from the owner's name, where a request named the owner, or else
+    from the adapter's grant (a platform adapter, a deleted tenant, or an
+    adapter deleted before any request showed its owner, is overhead)."""
 
     async def resolve(records: list[UsageRecord]) -> list[UsageRecord]:
         out = []
         for r in records:
             if r.kind == ADAPTER_LOAD and not r.tenant_id:
-                owner = await _owner(store, r.adapter)
+                owner = await (_tenant(store, r.tenant) if r.tenant else _owner(store, r.adapter))
                 r = UsageRecord.from_dict({**r.to_dict(), "tenant_id": owner.tenant_id, "tenant": owner.tenant,
                                            "tier": owner.tier})
             out.append(r)
@@ -163,9 +187,14 @@ def adapter_owner_resolver(store):
 async def _owner(store, adapter: str) -> Account:
     try:
         grant = await store.get_adapter_grant(adapter)
-        if grant.owner is None:
-            return PLATFORM_OVERHEAD
-        tenant = await store.get_tenant(grant.owner)
+    except NotFound:
+        return PLATFORM_OVERHEAD
+    return PLATFORM_OVERHEAD if grant.owner is None else await _tenant(store, grant.owner)
+
+
+async def _tenant(store, name: str) -> Account:
+    try:
+        tenant = await store.get_tenant(name)
     except NotFound:
         return PLATFORM_OVERHEAD
     return Account(tenant.id, tenant.name, None, tenant.tier.value)

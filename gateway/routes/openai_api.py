@@ -102,13 +102,15 @@ def model_not_found(model: str) -> ModelNotFound:
     return ModelNotFound(f"The model '{shown}' does not exist or you do not have access to it.", param="model")
 
 
-async def resolve_model(request: Request, principal: Principal, model: str) -> tuple[str, int, str] | None:
-    """None for the base model, else the registry key of an adapter the
-    tenant may use. Everything else is the same 404, so nobody learns
+async def resolve_model(request: Request, principal: Principal,
+                        model: str) -> tuple[tuple[str, int, str] | None, str | None]:
+    """(None, None) for the base model, else the registry key of an adapter
+    the tenant may use and the name of the tenant that owns it (None for a
+    platform adapter). Everything else is the same 404, so nobody learns
     whether another tenant's adapter exists."""
     gw = gateway_of(request)
     if model == gw.served_model_name:
-        return None
+        return None, None
     not_found = model_not_found(model)
     registry = gw.registry
     if registry is None:
@@ -121,7 +123,7 @@ async def resolve_model(request: Request, principal: Principal, model: str) -> t
     if not (grant.shared or grant.owner == principal.tenant.name):
         raise not_found
     try:
-        return registry.resolve(model).key
+        return registry.resolve(model).key, grant.owner
     except AdapterError:
         raise not_found from None
 
@@ -147,7 +149,7 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
     # JSON parsing, templating and tokenizing run on worker threads (a
     # bounded number), never on the event loop.
     body = await to_thread.run_sync(parse_body, await request.body(), schema, limiter=gw.prepare_limiter)
-    adapter_key = await resolve_model(request, principal, body.model)
+    adapter_key, adapter_owner = await resolve_model(request, principal, body.model)
     prepared = await to_thread.run_sync(prepare, body, gw.engine, limiter=gw.prepare_limiter)
     params = prepared.params
     with admission_span(gw.tracing, principal, model=body.model, chat=chat):
@@ -162,7 +164,8 @@ async def _complete(request: Request, schema, prepare: Callable[..., Prepared], 
                          created=int(gw.wall_clock().timestamp()), chat=chat, decode=gw.engine.decode,
                          tools=prepared.tools)
     lifecycle = RequestLifecycle(gw, ticket, principal, request_id=request_id, model=body.model,
-                                 adapter_key=adapter_key, prompt_tokens=len(prepared.prompt_ids))
+                                 adapter_key=adapter_key, adapter_owner=adapter_owner,
+                                 prompt_tokens=len(prepared.prompt_ids))
     outputs = None
     streaming = False
     try:

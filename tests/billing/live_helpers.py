@@ -10,7 +10,7 @@ from billing.records import UsageRecord
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig, TierLimits
 from gateway.tenancy import Tier
-from tests.gateway.live import build_in_process_gateway, seed_tenants, start_live_server
+from tests.gateway.live import ADMIN_TOKEN, build_in_process_gateway, seed_tenants, start_live_server
 
 
 def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], grants=(), adapter_dir=None,
@@ -19,12 +19,12 @@ def start_billing_server(tmp: Path, model_dir, *, tenants: dict[str, Tier], gran
     """Tenants (one key each), adapter grants (name, owner, shared) imported
     from `adapter_dir`, and a live server whose step busy times are also
     collected in `server.steps` (the ground truth). `tier_limits` applies
-    to both tiers."""
+    to both tiers; the admin API takes `tests.gateway.live.ADMIN_TOKEN`."""
     db_url = db_url or f"sqlite+aiosqlite:///{tmp / 'loragw.db'}"
     keys = seed_tenants(db_url, tenants, grants)
     engine = EngineConfig.from_flat(model=str(model_dir), data_dir=str(tmp / "data"), **engine_kwargs)
     gw = build_in_process_gateway(GatewayConfig(db_url=db_url, engine=engine, data_dir=tmp / "data",
-                                     standard=tier_limits, premium=tier_limits))
+                                                standard=tier_limits, premium=tier_limits, admin_token=ADMIN_TOKEN))
     steps = []
     gw.engine.add_usage_sink(steps.append)
     server = start_live_server(gw)

@@ -9,9 +9,10 @@ from collections import Counter
 
 import httpx
 
-from billing.records import RECOMPUTE, REQUEST
+from billing.records import ADAPTER_LOAD, RECOMPUTE, REQUEST
 from engine.request import Tier
 from tests.billing.live_helpers import ledger_records, request_id_of, start_billing_server
+from tests.gateway.admin_app import ADMIN
 
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(16)]
 
@@ -113,3 +114,54 @@ def test_premium_pays_for_the_recompute_it_causes(tiny_llama_dir, tmp_path):
     assert (charge.kind, charge.tenant, charge.tier, charge.caused_by) == (RECOMPUTE, "gold", "premium", payer)
     assert charge.recompute_us > 0
     assert sum(r.charged_us for r in records.values()) == sum(s.busy_time_us for s in server.steps)
+
+
+def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_llama_dir, tiny_adapter_dir,
+                                                                            tmp_path):
+    # The load's record reaches the ledger when a request settles, and the
+    # owner used to be looked up then, from the adapter's grant: an owner
+    # that deleted its adapter while its request ran had the load billed to
+    # platform-overhead. Each adapter here is deleted after its request's
+    # first token (its load done) and before the request ends (its record
+    # spooled); one request at a time, so no other request settles between.
+    server = start_billing_server(
+        tmp_path, tiny_llama_dir, tenants={"gold": Tier.PREMIUM, "silver": Tier.STANDARD},
+        grants=[("gold-lora", "gold", False), ("gold-shared", "gold", True), ("platform-shared", None, True)],
+        adapter_dir=tiny_adapter_dir, max_loras=3)
+    keys = server.keys
+
+    async def delete_during(client, tenant: str, adapter: str, prompt) -> None:
+        body = {"model": adapter, "prompt": prompt, "max_tokens": 24, "min_tokens": 24, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {keys[tenant]}"}) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break
+            deleted = await client.delete(f"/admin/adapters/{adapter}", headers=ADMIN)
+            assert deleted.status_code == 200, deleted.text
+            async for _line in lines:
+                pass
+
+    async def workload():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            # Its own adapter; another tenant's shared one (its owner pays); a platform adapter.
+            for tenant, adapter, prompt in (("gold", "gold-lora", PROMPTS[0]), ("silver", "gold-shared", PROMPTS[1]),
+                                            ("silver", "platform-shared", PROMPTS[2])):
+                await delete_during(client, tenant, adapter, prompt)
+
+    try:
+        asyncio.run(workload())
+    finally:
+        server.stop()
+    records = ledger_records(server.db_url)
+    loads = {r.adapter: r for r in records if r.kind == ADAPTER_LOAD}
+    assert set(loads) == {"gold-lora", "gold-shared", "platform-shared"}
+    gold = next(r for r in records if r.kind == REQUEST and r.tenant == "gold")
+    for adapter in ("gold-lora", "gold-shared"):
+        load = loads[adapter]
+        assert (load.tenant, load.tenant_id, load.tier) == ("gold", gold.tenant_id, "premium"), load
+        assert load.adapter_load_us > 0
+    assert loads["platform-shared"].tenant == "platform-overhead"
+    assert sum(r.charged_us for r in records) == sum(s.busy_time_us for s in server.steps)

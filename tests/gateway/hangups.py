@@ -43,7 +43,7 @@ class CountingObserver(RequestObserver):
         self.started: list[str] = []
         self.ended: list[RequestRecord] = []
 
-    def on_request_start(self, request_id, principal, adapter_key) -> None:
+    def on_request_start(self, request_id, principal, adapter_key, adapter_owner) -> None:
         self.started.append(request_id)
 
     def on_request_end(self, record: RequestRecord) -> None:

@@ -60,7 +60,7 @@ def output(finished: bool, reasons=("stop",), tokens=3, error=None) -> RequestOu
 
 def lifecycle(gw, ticket):
     return RequestLifecycle(gw, ticket, PRINCIPAL, request_id="r1", model="tiny-lora@2",
-                            adapter_key=("tiny-lora", 2, "abc"), prompt_tokens=4)
+                            adapter_key=("tiny-lora", 2, "abc"), adapter_owner="acme", prompt_tokens=4)
 
 
 def test_a_finished_request_gives_one_record_to_every_observer():

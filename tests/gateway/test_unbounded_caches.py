@@ -93,6 +93,19 @@ def test_unbounded_caches_meter_keeps_nothing_for_settled_or_unknown_requests():
     assert (len(meter._open), len(meter._seq_group), len(meter._payer)) == (0, 0, 0)
 
 
+def test_unbounded_caches_usage_observer_remembers_a_bounded_number_of_adapter_owners():
+    from gateway.metering import MAX_KNOWN_OWNERS, UsageObserver
+
+    observer = UsageObserver(gw=None, meter=Meter(), spool=None, flusher=None)
+    for i in range(MAX_KNOWN_OWNERS + 500):  # a tenant uploading new versions without end
+        principal = _principal(f"t{i % 7}")
+        observer.on_request_start(f"req-{i}", principal, (f"lora-{i}", 1, "digest"), principal.tenant.name)
+        observer.meter.settle(f"req-{i}")
+    assert len(observer._owners) == MAX_KNOWN_OWNERS
+    # The newest are kept, the oldest dropped.
+    assert (f"lora-{MAX_KNOWN_OWNERS + 499}", 1) in observer._owners and ("lora-0", 1) not in observer._owners
+
+
 class _NoEngine:
     def snapshots(self):
         return {}  # no engine is up
