@@ -52,9 +52,9 @@ class RequestObserver(abc.ABC):
     def on_request_start(self, request_id: str, principal: Principal, adapter_key: tuple[str, int, str] | None,
                          adapter_owner: str | None) -> None:
         """Called once admission let the request in, before it reaches the
-        engine. `adapter_owner` is the name of the tenant that owned the
-        adapter when the request was admitted (None: a platform adapter, or
-        the base model)."""
+        engine. `adapter_owner` is the tenant that owns the adapter, as its
+        grant said when the request was checked (None: a platform adapter,
+        or the base model)."""
 
     @abc.abstractmethod
     def on_request_end(self, record: RequestRecord) -> None: ...

@@ -29,38 +29,48 @@ from gateway.store.base import NotFound
 log = logging.getLogger(__name__)
 
 _SETTLED_AT_ONCE = ("stop", "length")
-# Adapter versions whose owner a request showed us, for their loads'
-# records. A version's owner never changes (another owner means a new
-# version), so forgetting the oldest costs only the lookup at flush.
 MAX_KNOWN_OWNERS = 4096
-_UNKNOWN_OWNER = Account("", "", None, "")
+
+
+class AdapterOwners:
+    """The tenants seen using adapter versions they own, by (name, version):
+    the payer of a load whose adapter was deleted before its record was
+    flushed, when the grant that names the owner is gone with it. A version's
+    owner never changes (another owner means a new version), so forgetting
+    the oldest past `max_entries` loses only that fallback."""
+
+    def __init__(self, max_entries: int = MAX_KNOWN_OWNERS):
+        self.max_entries = max_entries
+        self._owners: OrderedDict[tuple[str, int], Account] = OrderedDict()
+
+    def saw(self, adapter: str, version: int, owner: Account) -> None:
+        key = (adapter, version)
+        self._owners[key] = owner
+        self._owners.move_to_end(key)
+        if len(self._owners) > self.max_entries:
+            self._owners.popitem(last=False)
+
+    def get(self, adapter: str, version: int | None) -> Account | None:
+        return self._owners.get((adapter, version))
+
+    def __len__(self) -> int:
+        return len(self._owners)
 
 
 class UsageObserver(RequestObserver):
-    def __init__(self, gw, meter: Meter, spool: Spool, flusher: SpoolFlusher, *, settle_timeout_s: float = 1.0,
-                 poll_s: float = 0.01):
-        self.gw, self.meter, self.spool, self.flusher = gw, meter, spool, flusher
+    def __init__(self, gw, meter: Meter, spool: Spool, flusher: SpoolFlusher, *, owners: AdapterOwners,
+                 settle_timeout_s: float = 1.0, poll_s: float = 0.01):
+        self.gw, self.meter, self.spool, self.flusher, self.owners = gw, meter, spool, flusher, owners
         self.settle_timeout_s, self.poll_s = settle_timeout_s, poll_s
         self._waiting: dict[str, RequestRecord] = {}  # ended, waiting for the engine's running step
-        # (adapter, version) -> its owner: the whole account where the owner
-        # sent the request, else the name alone (the flusher looks it up).
-        self._owners: OrderedDict[tuple[str, int], Account] = OrderedDict()
 
     # ---- RequestObserver ----------------------------------------------------------
 
     def on_request_start(self, request_id: str, principal, adapter_key, adapter_owner) -> None:
         tenant = principal.tenant
         self.meter.register(request_id, Account(tenant.id, tenant.name, principal.key_id, tenant.tier.value))
-        if adapter_key is not None and adapter_owner is not None:
-            # Known now, not at flush: the owner may delete the adapter, and
-            # its grant with it, before the load's record reaches the ledger.
-            owner = (Account(tenant.id, tenant.name, None, tenant.tier.value) if adapter_owner == tenant.name
-                     else Account("", adapter_owner, None, ""))
-            key = (adapter_key[0], adapter_key[1])
-            self._owners[key] = owner
-            self._owners.move_to_end(key)
-            if len(self._owners) > MAX_KNOWN_OWNERS:
-                self._owners.popitem(last=False)
+        if adapter_key is not None and adapter_owner == tenant.name:
+            self.owners.saw(adapter_key[0], adapter_key[1], Account(tenant.id, tenant.name, None, tenant.tier.value))
 
     def on_request_end(self, record: RequestRecord) -> None:
         if record.finish_reason in _SETTLED_AT_ONCE:
@@ -109,13 +119,10 @@ class UsageObserver(RequestObserver):
     def _platform_records(self) -> list[UsageRecord]:
         """Overhead accrued and adapter loads made since the last call."""
         now = to_us(self.gw.wall_clock())
-        out = []
-        for load in self.meter.take_adapter_loads():
-            owner = self._owners.get((load.adapter_key[0], load.adapter_key[1]), _UNKNOWN_OWNER)
-            out.append(UsageRecord(request_id=f"adapter-load/{load.load_id}", kind=ADAPTER_LOAD,
-                                   tenant_id=owner.tenant_id, tenant=owner.tenant, tier=owner.tier, ended_at_us=now,
-                                   adapter=load.adapter_key[0], adapter_version=load.adapter_key[1],
-                                   adapter_load_us=load.load_us))
+        out = [UsageRecord(request_id=f"adapter-load/{load.load_id}", kind=ADAPTER_LOAD, tenant_id="", tenant="",
+                           tier="", ended_at_us=now, adapter=load.adapter_key[0], adapter_version=load.adapter_key[1],
+                           adapter_load_us=load.load_us)
+               for load in self.meter.take_adapter_loads()]
         overhead_us = self.meter.take_overhead_us()
         if overhead_us:
             o = PLATFORM_OVERHEAD
@@ -165,17 +172,16 @@ def _request_record(record: RequestRecord, usage: MeteredUsage) -> UsageRecord:
         started_at_us=to_us(record.started_at), ended_at_us=to_us(record.ended_at))
 
 
-def adapter_owner_resolver(store):
-    """For the flusher: an adapter-load record without its owner's account
-    gets it from the owner's name, where a request named the owner, or else
-    from the adapter's grant (a platform adapter, a deleted tenant, or an
-    adapter deleted before any request showed its owner, is overhead)."""
+def adapter_owner_resolver(store, owners: AdapterOwners):
+    """For the flusher: adapter-load records get their owner tenant from the
+    adapter's grant. A platform adapter's loads are overhead; so are a
+    deleted adapter's, unless `owners` saw its owner using that version."""
 
     async def resolve(records: list[UsageRecord]) -> list[UsageRecord]:
         out = []
         for r in records:
             if r.kind == ADAPTER_LOAD and not r.tenant_id:
-                owner = await (_tenant(store, r.tenant) if r.tenant else _owner(store, r.adapter))
+                owner = await _owner(store, r.adapter, owners.get(r.adapter, r.adapter_version))
                 r = UsageRecord.from_dict({**r.to_dict(), "tenant_id": owner.tenant_id, "tenant": owner.tenant,
                                            "tier": owner.tier})
             out.append(r)
@@ -184,19 +190,18 @@ def adapter_owner_resolver(store):
     return resolve
 
 
-async def _owner(store, adapter: str) -> Account:
+async def _owner(store, adapter: str, seen: Account | None) -> Account:
+    """`seen`: the owner a request showed, the payer once the grant is gone
+    (the adapter deleted, or its tenant with it), as a deleted tenant's
+    requests stay billed to it."""
+    fallback = seen or PLATFORM_OVERHEAD
     try:
         grant = await store.get_adapter_grant(adapter)
+        if grant.owner is None:
+            return PLATFORM_OVERHEAD
+        tenant = await store.get_tenant(grant.owner)
     except NotFound:
-        return PLATFORM_OVERHEAD
-    return PLATFORM_OVERHEAD if grant.owner is None else await _tenant(store, grant.owner)
-
-
-async def _tenant(store, name: str) -> Account:
-    try:
-        tenant = await store.get_tenant(name)
-    except NotFound:
-        return PLATFORM_OVERHEAD
+        return fallback
     return Account(tenant.id, tenant.name, None, tenant.tier.value)
 
 
@@ -206,8 +211,9 @@ def build_usage_observer(gw, *, spool_path, ledger, settle_timeout_s: float = 1.
     meter = Meter()
     gw.engine.add_usage_sink(meter.on_step)
     spool = Spool(spool_path)
-    flusher = SpoolFlusher(spool, ledger, resolve=adapter_owner_resolver(gw.store))
-    observer = UsageObserver(gw, meter, spool, flusher, settle_timeout_s=settle_timeout_s)
+    owners = AdapterOwners()
+    flusher = SpoolFlusher(spool, ledger, resolve=adapter_owner_resolver(gw.store, owners))
+    observer = UsageObserver(gw, meter, spool, flusher, owners=owners, settle_timeout_s=settle_timeout_s)
     flusher.on_moved = observer.count_platform
     gw.observers.append(observer)
     gw.background.append(observer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from anyio import to_thread
 from starlette.exceptions import HTTPException
@@ -102,15 +102,18 @@ def model_not_found(model: str) -> ModelNotFound:
     return ModelNotFound(f"The model '{shown}' does not exist or you do not have access to it.", param="model")
 
 
-async def resolve_model(request: Request, principal: Principal,
-                        model: str) -> tuple[tuple[str, int, str] | None, str | None]:
-    """(None, None) for the base model, else the registry key of an adapter
-    the tenant may use and the name of the tenant that owns it (None for a
-    platform adapter). Everything else is the same 404, so nobody learns
-    whether another tenant's adapter exists."""
+class ResolvedModel(NamedTuple):
+    adapter_key: tuple[str, int, str] | None  # None: the base model
+    adapter_owner: str | None  # the grant's owner tenant; None: a platform adapter, or the base model
+
+
+async def resolve_model(request: Request, principal: Principal, model: str) -> ResolvedModel:
+    """The base model, or the registry key of an adapter the tenant may use
+    and its owner. Everything else is the same 404, so nobody learns whether
+    another tenant's adapter exists."""
     gw = gateway_of(request)
     if model == gw.served_model_name:
-        return None, None
+        return ResolvedModel(None, None)
     not_found = model_not_found(model)
     registry = gw.registry
     if registry is None:
@@ -123,7 +126,7 @@ async def resolve_model(request: Request, principal: Principal,
     if not (grant.shared or grant.owner == principal.tenant.name):
         raise not_found
     try:
-        return registry.resolve(model).key, grant.owner
+        return ResolvedModel(registry.resolve(model).key, grant.owner)
     except AdapterError:
         raise not_found from None
 

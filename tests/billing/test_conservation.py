@@ -5,12 +5,14 @@ step busy time exactly, and every request has exactly one record."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 
 import httpx
 
 from billing.records import ADAPTER_LOAD, RECOMPUTE, REQUEST
 from engine.request import Tier
+from gateway.metering import UsageObserver
 from tests.billing.live_helpers import ledger_records, request_id_of, start_billing_server
 from tests.gateway.admin_app import ADMIN
 
@@ -118,17 +120,24 @@ def test_premium_pays_for_the_recompute_it_causes(tiny_llama_dir, tmp_path):
 
 def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_llama_dir, tiny_adapter_dir,
                                                                             tmp_path):
-    # The load's record reaches the ledger when a request settles, and the
-    # owner used to be looked up then, from the adapter's grant: an owner
-    # that deleted its adapter while its request ran had the load billed to
-    # platform-overhead. Each adapter here is deleted after its request's
-    # first token (its load done) and before the request ends (its record
-    # spooled); one request at a time, so no other request settles between.
+    # A load's owner is looked up in the adapter's grant when its record is
+    # flushed, and deleting the adapter drops the grant: the owner's own
+    # request has to vouch for it then. The flush is held until each adapter
+    # was deleted after its request's first token (its load made), so the
+    # lookup always finds the grant gone.
     server = start_billing_server(
         tmp_path, tiny_llama_dir, tenants={"gold": Tier.PREMIUM, "silver": Tier.STANDARD},
         grants=[("gold-lora", "gold", False), ("gold-shared", "gold", True), ("platform-shared", None, True)],
         adapter_dir=tiny_adapter_dir, max_loras=3)
     keys = server.keys
+    [observer] = [o for o in server.gateway.observers if isinstance(o, UsageObserver)]
+    deleted_all, resolve = threading.Event(), observer.flusher.resolve
+
+    async def resolve_after_the_deletes(records):
+        await asyncio.to_thread(deleted_all.wait, 60)
+        return await resolve(records)
+
+    observer.flusher.resolve = resolve_after_the_deletes
 
     async def delete_during(client, tenant: str, adapter: str, prompt) -> None:
         body = {"model": adapter, "prompt": prompt, "max_tokens": 24, "min_tokens": 24, "stream": True}
@@ -146,22 +155,24 @@ def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_
 
     async def workload():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            # Its own adapter; another tenant's shared one (its owner pays); a platform adapter.
+            # Its own adapter; its shared one, which another tenant's request loads; a platform adapter.
             for tenant, adapter, prompt in (("gold", "gold-lora", PROMPTS[0]), ("silver", "gold-shared", PROMPTS[1]),
                                             ("silver", "platform-shared", PROMPTS[2])):
                 await delete_during(client, tenant, adapter, prompt)
+        deleted_all.set()
 
     try:
         asyncio.run(workload())
     finally:
+        deleted_all.set()
         server.stop()
     records = ledger_records(server.db_url)
     loads = {r.adapter: r for r in records if r.kind == ADAPTER_LOAD}
     assert set(loads) == {"gold-lora", "gold-shared", "platform-shared"}
+    assert all(load.adapter_load_us > 0 for load in loads.values())
     gold = next(r for r in records if r.kind == REQUEST and r.tenant == "gold")
-    for adapter in ("gold-lora", "gold-shared"):
-        load = loads[adapter]
-        assert (load.tenant, load.tenant_id, load.tier) == ("gold", gold.tenant_id, "premium"), load
-        assert load.adapter_load_us > 0
-    assert loads["platform-shared"].tenant == "platform-overhead"
+    assert (loads["gold-lora"].tenant, loads["gold-lora"].tenant_id, loads["gold-lora"].tier) == (
+        "gold", gold.tenant_id, "premium")
+    # No request of its owner's vouched for the shared adapter's version: overhead, as a platform adapter's load.
+    assert loads["gold-shared"].tenant == loads["platform-shared"].tenant == "platform-overhead"
     assert sum(r.charged_us for r in records) == sum(s.busy_time_us for s in server.steps)

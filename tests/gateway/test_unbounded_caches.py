@@ -93,17 +93,19 @@ def test_unbounded_caches_meter_keeps_nothing_for_settled_or_unknown_requests():
     assert (len(meter._open), len(meter._seq_group), len(meter._payer)) == (0, 0, 0)
 
 
-def test_unbounded_caches_usage_observer_remembers_a_bounded_number_of_adapter_owners():
-    from gateway.metering import MAX_KNOWN_OWNERS, UsageObserver
+def test_unbounded_caches_adapter_owners_keep_the_versions_seen_last():
+    from gateway.metering import MAX_KNOWN_OWNERS, AdapterOwners
 
-    observer = UsageObserver(gw=None, meter=Meter(), spool=None, flusher=None)
+    owners = AdapterOwners()
+    account = Account("id-a", "a", None, "standard")
+    owners.saw("kept", 1, account)
     for i in range(MAX_KNOWN_OWNERS + 500):  # a tenant uploading new versions without end
-        principal = _principal(f"t{i % 7}")
-        observer.on_request_start(f"req-{i}", principal, (f"lora-{i}", 1, "digest"), principal.tenant.name)
-        observer.meter.settle(f"req-{i}")
-    assert len(observer._owners) == MAX_KNOWN_OWNERS
-    # The newest are kept, the oldest dropped.
-    assert (f"lora-{MAX_KNOWN_OWNERS + 499}", 1) in observer._owners and ("lora-0", 1) not in observer._owners
+        owners.saw(f"lora-{i}", 1, account)
+        if i % 1000 == 0:
+            owners.saw("kept", 1, account)  # in use again: not the oldest
+    assert len(owners) == MAX_KNOWN_OWNERS
+    assert owners.get("kept", 1) == account and owners.get(f"lora-{MAX_KNOWN_OWNERS + 499}", 1) == account
+    assert owners.get("lora-0", 1) is None and owners.get("kept", 2) is None
 
 
 class _NoEngine:
