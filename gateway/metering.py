@@ -18,7 +18,9 @@ import hashlib
 import logging
 import uuid
 from collections import OrderedDict
+from typing import Callable
 
+from adapters.errors import AdapterError
 from billing.meter import PLATFORM_OVERHEAD, Account, Meter, MeteredUsage
 from billing.records import (ADAPTER_LOAD, MAX_RECORD_ID, OVERHEAD, RECOMPUTE, REQUEST, UsageRecord,
                              seconds_to_us, to_us)
@@ -33,11 +35,12 @@ MAX_KNOWN_OWNERS = 4096
 
 
 class AdapterOwners:
-    """The tenants seen using adapter versions they own, by (name, version):
-    the payer of a load whose adapter was deleted before its record was
-    flushed, when the grant that names the owner is gone with it. A version's
-    owner never changes (another owner means a new version), so forgetting
-    the oldest past `max_entries` loses only that fallback."""
+    """The tenants seen using adapter versions they own, by (name, version),
+    in this process: the payer of a load whose version was deleted before
+    its record was flushed, when the grant is gone or may name the owner of
+    a later upload. A version's owner does not change (another owner means
+    a new version), so forgetting the oldest past `max_entries` loses only
+    that fallback."""
 
     def __init__(self, max_entries: int = MAX_KNOWN_OWNERS):
         self.max_entries = max_entries
@@ -172,16 +175,25 @@ def _request_record(record: RequestRecord, usage: MeteredUsage) -> UsageRecord:
         started_at_us=to_us(record.started_at), ended_at_us=to_us(record.ended_at))
 
 
-def adapter_owner_resolver(store, owners: AdapterOwners):
+def adapter_owner_resolver(store, owners: AdapterOwners, registry: Callable[[], object | None]):
     """For the flusher: adapter-load records get their owner tenant from the
-    adapter's grant. A platform adapter's loads are overhead; so are a
-    deleted adapter's, unless `owners` saw its owner using that version."""
+    adapter's grant, which is by name, so only while the loaded version is
+    still stored: the owner of a name changes only once all its versions
+    are deleted. Once the version is gone, the owner `owners` saw using it
+    pays, if any; else the grant's (overhead when none is left). A platform
+    adapter's loads are overhead. `registry` returns the adapter registry,
+    None where there is none."""
 
     async def resolve(records: list[UsageRecord]) -> list[UsageRecord]:
         out = []
         for r in records:
             if r.kind == ADAPTER_LOAD and not r.tenant_id:
-                owner = await _owner(store, r.adapter, owners.get(r.adapter, r.adapter_version))
+                seen = owners.get(r.adapter, r.adapter_version)
+                # A request was seen, so the engine and its registry are up.
+                if seen is None or await asyncio.to_thread(_stored, registry(), r.adapter, r.adapter_version):
+                    owner = await _owner(store, r.adapter)
+                else:
+                    owner = seen
                 r = UsageRecord.from_dict({**r.to_dict(), "tenant_id": owner.tenant_id, "tenant": owner.tenant,
                                            "tier": owner.tier})
             out.append(r)
@@ -190,18 +202,26 @@ def adapter_owner_resolver(store, owners: AdapterOwners):
     return resolve
 
 
-async def _owner(store, adapter: str, seen: Account | None) -> Account:
-    """`seen`: the owner a request showed, the payer once the grant is gone
-    (the adapter deleted, or its tenant with it), as a deleted tenant's
-    requests stay billed to it."""
-    fallback = seen or PLATFORM_OVERHEAD
+def _stored(registry, adapter: str, version: int | None) -> bool:
+    """Whether the version is still stored; True where there is no registry
+    to ask (then the grant is all there is)."""
+    if registry is None:
+        return True
+    try:
+        registry.resolve(f"{adapter}@{version}")
+    except AdapterError:
+        return False
+    return True
+
+
+async def _owner(store, adapter: str) -> Account:
     try:
         grant = await store.get_adapter_grant(adapter)
         if grant.owner is None:
             return PLATFORM_OVERHEAD
         tenant = await store.get_tenant(grant.owner)
     except NotFound:
-        return fallback
+        return PLATFORM_OVERHEAD
     return Account(tenant.id, tenant.name, None, tenant.tier.value)
 
 
@@ -212,7 +232,7 @@ def build_usage_observer(gw, *, spool_path, ledger, settle_timeout_s: float = 1.
     gw.engine.add_usage_sink(meter.on_step)
     spool = Spool(spool_path)
     owners = AdapterOwners()
-    flusher = SpoolFlusher(spool, ledger, resolve=adapter_owner_resolver(gw.store, owners))
+    flusher = SpoolFlusher(spool, ledger, resolve=adapter_owner_resolver(gw.store, owners, lambda: gw.registry))
     observer = UsageObserver(gw, meter, spool, flusher, owners=owners, settle_timeout_s=settle_timeout_s)
     flusher.on_moved = observer.count_platform
     gw.observers.append(observer)

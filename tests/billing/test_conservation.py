@@ -14,7 +14,7 @@ from billing.records import ADAPTER_LOAD, RECOMPUTE, REQUEST
 from engine.request import Tier
 from gateway.metering import UsageObserver
 from tests.billing.live_helpers import ledger_records, request_id_of, start_billing_server
-from tests.gateway.admin_app import ADMIN
+from tests.gateway.admin_app import ADMIN, adapter_files, upload_form
 
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(16)]
 
@@ -120,11 +120,12 @@ def test_premium_pays_for_the_recompute_it_causes(tiny_llama_dir, tmp_path):
 
 def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_llama_dir, tiny_adapter_dir,
                                                                             tmp_path):
-    # A load's owner is looked up in the adapter's grant when its record is
-    # flushed, and deleting the adapter drops the grant: the owner's own
-    # request has to vouch for it then. The flush is held until each adapter
-    # was deleted after its request's first token (its load made), so the
-    # lookup always finds the grant gone.
+    # A load's owner is looked up in the adapter's grant, by name, when its
+    # record is flushed. Deleting the adapter drops the grant, and a later
+    # upload of the name may give it another owner: once the version is
+    # gone, its owner's own request has to vouch for it. The flush is held
+    # until each adapter was deleted after its request's first token (its
+    # load made), and gold-lora uploaded again by silver.
     server = start_billing_server(
         tmp_path, tiny_llama_dir, tenants={"gold": Tier.PREMIUM, "silver": Tier.STANDARD},
         grants=[("gold-lora", "gold", False), ("gold-shared", "gold", True), ("platform-shared", None, True)],
@@ -153,12 +154,18 @@ def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_
             async for _line in lines:
                 pass
 
+    async def upload(client, tenant: str, adapter: str) -> None:
+        data, files = upload_form(adapter, *adapter_files(tiny_adapter_dir, scale=2.0), tenant=tenant)
+        uploaded = await client.post("/admin/adapters", data=data, files=files, headers=ADMIN)
+        assert uploaded.status_code == 201, uploaded.text
+
     async def workload():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             # Its own adapter; its shared one, which another tenant's request loads; a platform adapter.
             for tenant, adapter, prompt in (("gold", "gold-lora", PROMPTS[0]), ("silver", "gold-shared", PROMPTS[1]),
                                             ("silver", "platform-shared", PROMPTS[2])):
                 await delete_during(client, tenant, adapter, prompt)
+            await upload(client, "silver", "gold-lora")  # the name's new owner must not pay for gold's version
         deleted_all.set()
 
     try:
@@ -168,6 +175,7 @@ def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_
         server.stop()
     records = ledger_records(server.db_url)
     loads = {r.adapter: r for r in records if r.kind == ADAPTER_LOAD}
+    assert {r.adapter_version for r in loads.values()} == {1}
     assert set(loads) == {"gold-lora", "gold-shared", "platform-shared"}
     assert all(load.adapter_load_us > 0 for load in loads.values())
     gold = next(r for r in records if r.kind == REQUEST and r.tenant == "gold")
