@@ -204,13 +204,18 @@ def adapter_owner_resolver(store, owners: AdapterOwners, registry: Callable[[], 
 
 def _stored(registry, adapter: str, version: int | None) -> bool:
     """Whether the version is still stored; True where there is no registry
-    to ask (then the grant is all there is)."""
+    to ask, or it cannot answer (then the grant decides, as it did before)."""
     if registry is None:
         return True
     try:
         registry.resolve(f"{adapter}@{version}")
     except AdapterError:
         return False
+    except Exception:  # noqa: BLE001 - an unreadable registry must not stall every tenant's records
+        # (A version deleted between listing its folder and reading its
+        # manifest, an I/O error, a damaged manifest.)
+        log.warning("usage spool: could not tell whether adapter %s@%s is stored; its grant decides",
+                    adapter, version, exc_info=True)
     return True
 
 

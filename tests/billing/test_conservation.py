@@ -135,7 +135,7 @@ def test_an_adapter_deleted_during_its_request_bills_its_load_to_its_owner(tiny_
     deleted_all, resolve = threading.Event(), observer.flusher.resolve
 
     async def resolve_after_the_deletes(records):
-        await asyncio.to_thread(deleted_all.wait, 60)
+        await asyncio.to_thread(deleted_all.wait, 600)
         return await resolve(records)
 
     observer.flusher.resolve = resolve_after_the_deletes
