@@ -34,12 +34,12 @@ time comes from the injected clock, so tests never sleep.
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
 
 from gateway import keys
+from gateway.lru import Lru
 from gateway.store.base import NotFound, Store, StoreUnavailable
 from gateway.tenancy import AdapterGrant, Principal
 
@@ -52,37 +52,6 @@ class _Entry(Generic[V]):
     fetched_at: float  # the cache's clock when the database answered
 
 
-class _Lru(Generic[V]):
-    """At most `max_entries`; the least recently used goes first."""
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._entries: collections.OrderedDict[str, _Entry[V]] = collections.OrderedDict()
-
-    def get(self, key: str) -> _Entry[V] | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: str, entry: _Entry[V]) -> None:
-        if self.max_entries <= 0:
-            return
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-    def pop(self, key: str) -> None:
-        self._entries.pop(key, None)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 class AuthCache:
     def __init__(self, store: Store, *, ttl_s: float, stale_s: float, max_entries: int,
                  clock: Callable[[], float], outage_recheck_s: float = 1.0):
@@ -92,9 +61,9 @@ class AuthCache:
         self.outage_recheck_s = outage_recheck_s
         self._clock = clock
         self._unavailable_until = float("-inf")  # the clock's time to ask the database again
-        self._principals: _Lru[Principal] = _Lru(max_entries)  # key hash -> principal
-        self._grants: _Lru[AdapterGrant] = _Lru(max_entries)  # adapter name -> grant
-        self._visible: _Lru[tuple[AdapterGrant, ...]] = _Lru(max_entries)  # tenant name -> its usable grants
+        self._principals: Lru[str, _Entry[Principal]] = Lru(max_entries)  # key hash -> principal
+        self._grants: Lru[str, _Entry[AdapterGrant]] = Lru(max_entries)  # adapter name -> grant
+        self._visible: Lru[str, _Entry[tuple[AdapterGrant, ...]]] = Lru(max_entries)  # tenant name -> its usable grants
 
     async def authenticate(self, secret: str, *, now: dt.datetime) -> Principal | None:
         """The principal for a live key, as `Store.authenticate`."""
@@ -126,7 +95,7 @@ class AuthCache:
     def __len__(self) -> int:
         return len(self._principals) + len(self._grants) + len(self._visible)
 
-    async def _through(self, lru: _Lru[V], key: str, fetch: Callable[[], Awaitable[V | None]]) -> V | None:
+    async def _through(self, lru: Lru[str, _Entry[V]], key: str, fetch: Callable[[], Awaitable[V | None]]) -> V | None:
         """The cached value while fresh; else the database's answer, cached
         unless it is a miss; else, while the database is unavailable, the
         cached value for `stale_s` past its freshness."""

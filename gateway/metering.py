@@ -17,7 +17,6 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from collections import OrderedDict
 from typing import Callable
 
 from adapters.errors import AdapterError
@@ -26,6 +25,7 @@ from billing.records import (ADAPTER_LOAD, MAX_RECORD_ID, OVERHEAD, RECOMPUTE, R
                              seconds_to_us, to_us)
 from billing.spool import Spool, SpoolFlusher
 from gateway.lifecycle import RequestObserver, RequestRecord
+from gateway.lru import Lru
 from gateway.store.base import NotFound
 
 log = logging.getLogger(__name__)
@@ -39,19 +39,14 @@ class AdapterOwners:
     in this process: the payer of a load whose version was deleted before
     its record was flushed, when the grant is gone or may name the owner of
     a later upload. A version's owner does not change (another owner means
-    a new version), so forgetting the oldest past `max_entries` loses only
-    that fallback."""
+    a new version), so forgetting the least recently used past
+    `max_entries` loses only that fallback."""
 
     def __init__(self, max_entries: int = MAX_KNOWN_OWNERS):
-        self.max_entries = max_entries
-        self._owners: OrderedDict[tuple[str, int], Account] = OrderedDict()
+        self._owners: Lru[tuple[str, int | None], Account] = Lru(max_entries)
 
     def saw(self, adapter: str, version: int, owner: Account) -> None:
-        key = (adapter, version)
-        self._owners[key] = owner
-        self._owners.move_to_end(key)
-        if len(self._owners) > self.max_entries:
-            self._owners.popitem(last=False)
+        self._owners.put((adapter, version), owner)
 
     def get(self, adapter: str, version: int | None) -> Account | None:
         return self._owners.get((adapter, version))
@@ -71,9 +66,9 @@ class UsageObserver(RequestObserver):
 
     def on_request_start(self, request_id: str, principal, adapter_key, adapter_owner) -> None:
         tenant = principal.tenant
-        self.meter.register(request_id, Account(tenant.id, tenant.name, principal.key_id, tenant.tier.value))
+        self.meter.register(request_id, _account(tenant, principal.key_id))
         if adapter_key is not None and adapter_owner == tenant.name:
-            self.owners.saw(adapter_key[0], adapter_key[1], Account(tenant.id, tenant.name, None, tenant.tier.value))
+            self.owners.saw(adapter_key[0], adapter_key[1], _account(tenant))
 
     def on_request_end(self, record: RequestRecord) -> None:
         if record.finish_reason in _SETTLED_AT_ONCE:
@@ -227,7 +222,11 @@ async def _owner(store, adapter: str) -> Account:
         tenant = await store.get_tenant(grant.owner)
     except NotFound:
         return PLATFORM_OVERHEAD
-    return Account(tenant.id, tenant.name, None, tenant.tier.value)
+    return _account(tenant)
+
+
+def _account(tenant, key_id: str | None = None) -> Account:
+    return Account(tenant.id, tenant.name, key_id, tenant.tier.value)
 
 
 def build_usage_observer(gw, *, spool_path, ledger, settle_timeout_s: float = 1.0) -> UsageObserver:
