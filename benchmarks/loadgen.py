@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,9 +36,11 @@ def _free_port() -> int:
 
 class GatewayProcess:
     def __init__(self, extra_args: list[str], *, model: str | None = None, env: dict[str, str] | None = None,
-                 wrapper: list[str] = ()):
+                 wrapper: list[str] = (), keep_log: Path | None = None):
         """`wrapper`: a command that runs the server, e.g. a profiler's
-        `py-spy record ... --`."""
+        `py-spy record ... --`. `keep_log`: where the server's log is copied
+        when it stops (else it goes with the data dir)."""
+        self.keep_log = keep_log
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._tmp = tempfile.TemporaryDirectory(prefix="loragw-bench-")
@@ -70,6 +73,8 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
+        if self.keep_log is not None:
+            shutil.copy(self.log_path, self.keep_log)
         self._tmp.cleanup()
 
 
@@ -98,6 +103,7 @@ class Sample:
     ttft: float | None = None
     latency: float | None = None
     completion_tokens: int = 0
+    error: str | None = None  # what a transport error (status 0) or an error event said
 
 
 @dataclass(frozen=True)
@@ -137,15 +143,15 @@ async def one_request(client: httpx.AsyncClient, key: str, model: str, prompt: l
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    sample.status = 500
+                    sample.status, sample.error = 500, str(chunk["error"])[:300]
                     return sample
                 if chunk.get("choices") and sample.ttft is None:
                     sample.ttft = time.perf_counter() - sent
                 if chunk.get("usage"):
                     sample.completion_tokens = chunk["usage"]["completion_tokens"]
         sample.latency = time.perf_counter() - sent
-    except httpx.HTTPError:
-        sample.status = 0
+    except httpx.HTTPError as exc:
+        sample.status, sample.error = 0, f"{type(exc).__name__}: {exc}"[:300]
     return sample
 
 

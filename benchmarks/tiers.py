@@ -85,7 +85,8 @@ def closed_loop_rps(samples: list[Sample]) -> float:
 
 def run_mode(args, tiers_on: bool) -> dict:
     flags = ["--max-num-seqs", str(args.max_num_seqs), *args.loragw_arg] + ([] if tiers_on else ["--no-tiers"])
-    server = GatewayProcess(flags, model=args.model)
+    server = GatewayProcess(flags, model=args.model,
+                            keep_log=args.server_log and Path(f"{args.server_log}.{'on' if tiers_on else 'off'}.log"))
     try:
         server.wait_ready()
         premium_keys = [server.create_tenant(f"premium-{i}", "premium") for i in range(2)]
@@ -122,6 +123,9 @@ def run_mode(args, tiers_on: bool) -> dict:
                          "completed_rps": round(completed_rps(over, args.duration), 3)},
             "load_average_before_overload": load_before,
             "timeline": [[round(s.sent_at, 3), s.tier, s.status, s.ttft and round(s.ttft, 4)] for s in over],
+            # What each failed request said (a transport error, an error event), by phase.
+            "errors": [[phase, round(s.sent_at, 3), s.tier, s.status, s.error]
+                       for phase, samples in (("idle", idle), ("overload", over)) for s in samples if s.error],
         }
         o, i = result["overload"], result["idle_premium"]
         result["premium_p99_ratio"] = (o["premium"]["ttft_p99_s"] / i["ttft_p99_s"]
@@ -147,7 +151,10 @@ def _print_mode(r: dict) -> None:
     for tier in ("premium", "standard"):
         s = o[tier]
         print(f"[{name}] {tier:8s} sent {s['sent']:5d}  ok {s['ok']:5d}  429 {s['rate_429']:6.1%}  "
-              f"unfinished {s['cancelled_unfinished']:4d}  TTFT p50 {s['ttft_p50_s']}  p99 {s['ttft_p99_s']}")
+              f"unfinished {s['cancelled_unfinished']:4d}  errors {s['errors']:3d}  "
+              f"TTFT p50 {s['ttft_p50_s']}  p99 {s['ttft_p99_s']}")
+    for phase, sent_at, tier, status, error in r["errors"]:
+        print(f"[{name}] {phase} {tier} request sent at {sent_at} s failed ({status}): {error}")
     print(f"[{name}] idle premium TTFT p50 {r['idle_premium']['ttft_p50_s']}  p99 {r['idle_premium']['ttft_p99_s']}"
           f"  -> overload/idle p99 {r['premium_p99_ratio']}")
     print(f"[{name}] completed {o['completed_rps']:.2f} req/s = {r['throughput_vs_capacity']} of capacity",
@@ -199,6 +206,8 @@ def main() -> None:
     p.add_argument("--modes", default="on,off", help="which modes to run: on, off or on,off")
     p.add_argument("--plot", type=Path, default=Path("docs/img/tiers_ttft.png"))
     p.add_argument("--out", type=Path, default=RESULTS / "tiers.json")
+    p.add_argument("--server-log", default=None, metavar="PREFIX",
+                   help="keep each mode's server log as PREFIX.on.log / PREFIX.off.log")
     args = p.parse_args()
     # The client's own full collections paused it up to ~190 ms, counted
     # into whichever first token was in flight (engine/heap.py).

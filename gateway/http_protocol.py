@@ -183,7 +183,11 @@ class GatewayH11Protocol(H11Protocol):
         if self.conn.their_state is h11.SEND_BODY or self.conn.trailing_data[0]:
             self._start_clock(len(self.conn.trailing_data[0]))
             self._arm()
-        elif self.timeout_keep_alive_task is None:
+        elif self.conn.their_state is h11.IDLE and self.timeout_keep_alive_task is None:
+            # Idle only if no next request came in the same read as the old
+            # body's end: under one being answered, the timer would close
+            # the connection mid-response (uvicorn disarms it only when a
+            # request's head is parsed, which has happened by now).
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
 
