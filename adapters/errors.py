@@ -3,13 +3,20 @@
 `AdapterError` is bad input: a bad upload, a bad reference, or a LoRA
 setting this package cannot serve. Like the engine's `ValidationError` it is
 a `ValueError` whose `param` names the offending field: "name" for adapter
-names, "adapter" for the files' content, "model" for a reference in a
-request (`model: "name@3"`). `AdapterNotFound` is an unknown adapter. The
+names, "model" for a reference in a request (`model: "name@3"`), and for an
+upload the file at fault, CONFIG_FILE or WEIGHTS_FILE (a tensor that does
+not fit the config blames the weights, whose check found it). "adapter" is
+left for a stored adapter's content, which no request sent. `AdapterNotFound` is an unknown adapter. The
 gateway maps both to HTTP in its one error mapping (gateway/errors.py);
 this package imports nothing of the engine's, so it has its own root.
 """
 
 from __future__ import annotations
+
+# The files of an adapter as peft's save_pretrained writes them, and the
+# multipart fields of an upload.
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class AdapterError(ValueError):
@@ -19,6 +26,11 @@ class AdapterError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+
+    def blaming(self, param: str) -> AdapterError:
+        """The same error about `param`, where this one was raised without
+        knowing which input it came from (kept as it is otherwise)."""
+        return AdapterError(self.message, param=param) if self.param == "adapter" else self
 
 
 class AdapterNotFound(AdapterError):

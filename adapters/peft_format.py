@@ -23,11 +23,13 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from adapters.errors import AdapterError
+from adapters.errors import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from adapters.peft_config import LORA_MODULES, MAX_LAYER_INDEX, LoraSettings, module_key, parse_settings
 
 EMBEDDING_KEYS = ("model.embed_tokens", "lm_head")
@@ -172,29 +174,46 @@ def parse_peft_adapter(
     layer count cannot be checked: A and B need only agree with each other and
     the config, and the layers are 0..(highest layer the tensors name)."""
     if not isinstance(cfg, dict):
-        raise AdapterError("adapter_config.json must hold a JSON object")
-    settings = parse_settings(cfg)
-    groups = group_tensors(tensors, base.num_hidden_layers if base else None)
-    if not groups:
-        raise AdapterError("adapter_model.safetensors holds no LoRA tensors")
+        raise AdapterError(f"{CONFIG_FILE} must hold a JSON object", param=CONFIG_FILE)
+    with _blaming(CONFIG_FILE):
+        settings = parse_settings(cfg)
+    with _blaming(WEIGHTS_FILE):
+        groups = group_tensors(tensors, base.num_hidden_layers if base else None)
+        if not groups:
+            raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA tensors")
     num_layers = base.num_hidden_layers if base else 1 + max(layer for layer, _ in groups)
-    expected = _check_targets(settings, num_layers)
+    with _blaming(CONFIG_FILE):  # the config's regexes are matched here, within their budget
+        expected = _check_targets(settings, num_layers)
     untargeted = sorted(groups.keys() - expected)
     if untargeted:
-        raise AdapterError(f"tensors for {module_key(*untargeted[0])}, which target_modules does not cover")
+        raise AdapterError(f"tensors for {module_key(*untargeted[0])}, which target_modules does not cover",
+                           param=WEIGHTS_FILE)
     modules = {}
     for (layer, module), pair in sorted(groups.items()):
         key = module_key(layer, module)
-        r = settings.rank_for(key)
+        with _blaming(CONFIG_FILE):
+            r, scaling = settings.rank_for(key), settings.scaling_for(key)
         if r > max_lora_rank:
-            raise AdapterError(f"{key} has rank {r}, above max_lora_rank {max_lora_rank}")
-        _check_module(layer, module, pair, r, base)
-        modules[(layer, module)] = LoraModule(pair["A"], pair["B"], settings.scaling_for(key))
+            raise AdapterError(f"{key} has rank {r}, above max_lora_rank {max_lora_rank}", param=CONFIG_FILE)
+        with _blaming(WEIGHTS_FILE):
+            _check_module(layer, module, pair, r, base)
+        modules[(layer, module)] = LoraModule(pair["A"], pair["B"], scaling)
     # After the shape checks: an adapter for another base model fails on shapes first.
     missing = sorted(expected - groups.keys())
     if missing:
-        raise AdapterError(f"missing LoRA tensors for {module_key(*missing[0])}, which target_modules covers")
+        raise AdapterError(f"missing LoRA tensors for {module_key(*missing[0])}, which target_modules covers",
+                           param=WEIGHTS_FILE)
     return modules
+
+
+@contextmanager
+def _blaming(param: str) -> Iterator[None]:
+    """Errors raised inside, where they came from `param` (the file being
+    checked), as that file's."""
+    try:
+        yield
+    except AdapterError as exc:
+        raise exc.blaming(param) from None
 
 
 def check_fits(modules: dict[tuple[int, str], LoraModule], base: BaseShapes) -> None:

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from adapters import blob
-from adapters.errors import AdapterError, AdapterNotFound
+from adapters.errors import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFound
 from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 from adapters.peft_format import BaseShapes, check_fits, parse_peft_adapter
 from adapters.store import exclusive_lock, rename_atomic, write_atomic
@@ -48,9 +48,9 @@ _MANIFEST = re.compile(r"v([1-9][0-9]*)\.json(\.deleted)?")
 # torch.save zip archives and raw pickles (protocol 2+ starts with 0x80); only
 # consulted once the bytes failed to parse as safetensors.
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
-_PICKLE_MESSAGE = (
+PICKLE_MESSAGE = (
     "pickle-format weights (adapter_model.bin) are not accepted: unpickling can run arbitrary "
-    "code; re-save the adapter with safe_serialization=True (adapter_model.safetensors)"
+    f"code; re-save the adapter with safe_serialization=True ({WEIGHTS_FILE})"
 )
 
 
@@ -157,13 +157,13 @@ class AdapterRegistry:
         src = Path(src)
         if not src.is_dir():
             raise AdapterError(f"{src} is not a directory")
-        config, weights = src / "adapter_config.json", src / "adapter_model.safetensors"
+        config, weights = src / CONFIG_FILE, src / WEIGHTS_FILE
         if not config.is_file():
-            raise AdapterError(f"missing adapter_config.json in {src}")
+            raise AdapterError(f"missing {CONFIG_FILE} in {src}", param=CONFIG_FILE)
         if not weights.is_file():
             if any(src.glob("*.bin")) or any(src.glob("*.pt")) or any(src.glob("*.pth")):
-                raise AdapterError(f"{_PICKLE_MESSAGE}; {src} has no adapter_model.safetensors")
-            raise AdapterError(f"missing adapter_model.safetensors in {src}")
+                raise AdapterError(f"{PICKLE_MESSAGE}; {src} has no {WEIGHTS_FILE}", param=WEIGHTS_FILE)
+            raise AdapterError(f"missing {WEIGHTS_FILE} in {src}", param=WEIGHTS_FILE)
         return self.put(name, config.read_bytes(), weights.read_bytes())
 
     def put(self, name: str, config_json: bytes, weights: bytes) -> AdapterManifest:
@@ -313,9 +313,9 @@ def _parse_config(config_json: bytes) -> dict:
     except RecursionError:
         raise _too_deep() from None
     except (UnicodeDecodeError, ValueError) as exc:  # also: integers past sys.get_int_max_str_digits()
-        raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from None
+        raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}", param=CONFIG_FILE) from None
     if not isinstance(cfg, dict):
-        raise AdapterError("adapter_config.json must hold a JSON object")
+        raise AdapterError(f"{CONFIG_FILE} must hold a JSON object", param=CONFIG_FILE)
     # A shallower tree that json.loads still took could exhaust the recursion
     # limit later, in a repr() for an error message.
     stack = [(cfg, 1)]
@@ -340,7 +340,8 @@ def _finite_float(text: str) -> float:
 
 
 def _too_deep() -> AdapterError:
-    return AdapterError(f"adapter_config.json is nested deeper than {MAX_CONFIG_DEPTH} levels of arrays and objects")
+    return AdapterError(f"{CONFIG_FILE} is nested deeper than {MAX_CONFIG_DEPTH} levels of arrays and objects",
+                        param=CONFIG_FILE)
 
 
 def _parse_weights(weights: bytes) -> dict[str, torch.Tensor]:
@@ -348,5 +349,5 @@ def _parse_weights(weights: bytes) -> dict[str, torch.Tensor]:
         return load_safetensors(weights)
     except (SafetensorError, ValueError, TypeError) as exc:  # truncated, malformed, odd dtype
         if weights.startswith(_PICKLE_MAGIC):
-            raise AdapterError(_PICKLE_MESSAGE) from None
-        raise AdapterError(f"adapter_model.safetensors is not a valid safetensors file: {exc}") from None
+            raise AdapterError(PICKLE_MESSAGE, param=WEIGHTS_FILE) from None
+        raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}", param=WEIGHTS_FILE) from None

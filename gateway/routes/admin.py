@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from adapters.errors import CONFIG_FILE, WEIGHTS_FILE
+from adapters.registry import PICKLE_MESSAGE
 from gateway.admin_service import AdminService
 from gateway.deps import gateway_of, require_admin
 from gateway.engine_client import EngineNotReady
@@ -29,8 +31,6 @@ from gateway.schemas.admin import (TENANT_NAME_PATTERN, TENANT_NAME_RULE, USAGE_
 from gateway.schemas.text import refuse_nul
 
 USAGE_QUERY = ("tenant", "since", "until", "group_by", "limit", "cursor")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "pytorch_model.bin")
 
 
@@ -161,9 +161,7 @@ async def _file(files: dict[str, UploadFile], name: str) -> bytes:
     if name in files:
         return await files[name].read()
     if name == WEIGHTS_FILE and any(pickled in files for pickled in PICKLE_FILES):
-        raise InvalidRequest(
-            "pickle-format weights (adapter_model.bin) are not accepted: unpickling can run arbitrary "
-            f"code; re-save the adapter with safe_serialization=True ({WEIGHTS_FILE})", param=WEIGHTS_FILE)
+        raise InvalidRequest(PICKLE_MESSAGE, param=WEIGHTS_FILE)
     raise InvalidRequest(f"missing file {name}", param=name)
 
 

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from adapters.errors import CONFIG_FILE, WEIGHTS_FILE
 from billing.export import CURSOR_PATTERN, MAX_CURSOR
 from gateway.schemas import admin as adm
 from gateway.schemas import openai as oai
@@ -99,7 +100,7 @@ OPERATIONS = [
               security=ADMIN, errors=(401, 503)),
     Operation("post", "/admin/adapters", "upload a PEFT LoRA adapter (a new version if the name exists)",
               adm.AdapterOut, adm.AdapterUpload, security=ADMIN, status=201, errors=(*_ADMIN_BODY_ERRORS, 409),
-              multipart_files=("adapter_config.json", "adapter_model.safetensors")),
+              multipart_files=(CONFIG_FILE, WEIGHTS_FILE)),
     Operation("get", "/admin/adapters/{name}", "get an adapter and its versions", adm.AdapterOut,
               security=ADMIN, errors=_ADMIN_ERRORS),
     Operation("delete", "/admin/adapters/{name}", "delete an adapter (NAME) or one version (NAME@VERSION)",

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from adapters.errors import AdapterError
+from adapters.errors import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 from adapters.registry import AdapterRegistry
 from tests.adapters.conftest import ALL_MODULES, as_upload, build_peft_adapter
@@ -152,6 +152,16 @@ REJECTIONS = {
 }
 
 
+# The rest name the weights: a tensor that does not fit the config (its rank,
+# a module it does not target) is found by the weights' check.
+CONFIG_FAULTS = {
+    "unknown target module", "regex selecting nothing", "DoRA", "bias", "lora bias", "modules_to_save",
+    "lm_head target", "embedding beside layers_to_transform", "embedding regex", "non-LoRA peft type",
+    "missing peft type", "fan_in_fan_out", "unknown feature", "pissa init", "bad rank type", "bad rank_pattern",
+    "bad regex",
+}
+
+
 @pytest.mark.parametrize("case", list(REJECTIONS))
 def test_malformed_adapter_is_rejected_with_its_own_message(case, valid_files, tiny_config, tmp_path):
     edit, message = REJECTIONS[case]
@@ -162,14 +172,15 @@ def test_malformed_adapter_is_rejected_with_its_own_message(case, valid_files, t
         registry.put("a", *as_upload(cfg, tensors))
     assert message in info.value.message
     assert isinstance(info.value, ValueError)
-    assert info.value.param == "adapter"
+    assert info.value.param == (CONFIG_FILE if case in CONFIG_FAULTS else WEIGHTS_FILE)
     assert registry.list() == []
 
 
 def test_rank_above_max_lora_rank(valid_files, tiny_config, tmp_path):
     registry = AdapterRegistry(tmp_path, base_config=tiny_config, max_lora_rank=2)
-    with pytest.raises(AdapterError, match="has rank 4, above max_lora_rank 2"):
+    with pytest.raises(AdapterError, match="has rank 4, above max_lora_rank 2") as info:
         registry.put("a", *as_upload(*valid_files))
+    assert info.value.param == CONFIG_FILE
 
 
 def test_the_registry_s_default_rank_limit_is_the_engine_s(valid_files, tiny_config, tmp_path):
@@ -186,14 +197,15 @@ def test_the_registry_s_default_rank_limit_is_the_engine_s(valid_files, tiny_con
 
 
 @pytest.mark.parametrize(
-    "files, message",
+    "files, message, param",
     [
-        (["adapter_model.safetensors"], "missing adapter_config.json"),
-        (["adapter_config.json"], "missing adapter_model.safetensors"),
-        (["adapter_config.json", "adapter_model.bin"], "pickle-format weights (adapter_model.bin) are not accepted"),
+        (["adapter_model.safetensors"], "missing adapter_config.json", CONFIG_FILE),
+        (["adapter_config.json"], "missing adapter_model.safetensors", WEIGHTS_FILE),
+        (["adapter_config.json", "adapter_model.bin"], "pickle-format weights (adapter_model.bin) are not accepted",
+         WEIGHTS_FILE),
     ],
 )
-def test_incomplete_adapter_directory(files, message, valid_adapter_dir, tiny_config, tmp_path):
+def test_incomplete_adapter_directory(files, message, param, valid_adapter_dir, tiny_config, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for name in files:
@@ -204,6 +216,7 @@ def test_incomplete_adapter_directory(files, message, valid_adapter_dir, tiny_co
     with pytest.raises(AdapterError) as info:
         AdapterRegistry(tmp_path / "reg", base_config=tiny_config).import_dir("a", src)
     assert message in info.value.message
+    assert info.value.param == param
 
 
 def test_pickle_bytes_uploaded_as_weights_are_never_unpickled(valid_adapter_dir, tiny_config, tmp_path, monkeypatch):
@@ -219,17 +232,18 @@ def test_pickle_bytes_uploaded_as_weights_are_never_unpickled(valid_adapter_dir,
 
 
 @pytest.mark.parametrize(
-    "config, weights, message",
+    "config, weights, message, param",
     [
-        (b"{not json", None, "adapter_config.json is not valid JSON"),
-        (b"[1, 2]", None, "adapter_config.json must hold a JSON object"),
-        (None, b"\x10\x00\x00\x00\x00\x00\x00\x00{}garbage", "not a valid safetensors file"),
+        (b"{not json", None, "adapter_config.json is not valid JSON", CONFIG_FILE),
+        (b"[1, 2]", None, "adapter_config.json must hold a JSON object", CONFIG_FILE),
+        (None, b"\x10\x00\x00\x00\x00\x00\x00\x00{}garbage", "not a valid safetensors file", WEIGHTS_FILE),
     ],
 )
-def test_unreadable_files(config, weights, message, valid_files, tiny_config, tmp_path):
+def test_unreadable_files(config, weights, message, param, valid_files, tiny_config, tmp_path):
     good_config, good_weights = as_upload(*valid_files)
-    with pytest.raises(AdapterError, match=message):
+    with pytest.raises(AdapterError, match=message) as info:
         AdapterRegistry(tmp_path, base_config=tiny_config).put("a", config or good_config, weights or good_weights)
+    assert info.value.param == param
 
 
 def test_inert_config_fields_do_not_change_the_digest(valid_files, tiny_config, tmp_path):

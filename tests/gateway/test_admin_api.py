@@ -8,6 +8,7 @@ import httpx
 import pytest
 from safetensors.torch import load, save
 
+from adapters.errors import CONFIG_FILE, WEIGHTS_FILE
 from adapters.registry import AdapterRegistry
 from gateway.store.base import NotFound
 from tests.gateway.admin_app import (ADMIN, adapter_files, admin_client, call_store, now, pickle_weights,
@@ -236,13 +237,35 @@ MALFORMED = {
     "bad tenant name": (lambda c, w: (c, w), {"tenant": "No Such"}, "tenant: String should match pattern"),
 }
 
+# The field or file each names.
+MALFORMED_PARAM = {
+    "missing config": CONFIG_FILE,
+    "missing weights": WEIGHTS_FILE,
+    "config not JSON": CONFIG_FILE,
+    "weights not safetensors": WEIGHTS_FILE,
+    "pickle bytes as weights": WEIGHTS_FILE,
+    "wrong shape": WEIGHTS_FILE,
+    "DoRA": CONFIG_FILE,
+    "unknown module": CONFIG_FILE,
+    "layers_pattern named group": CONFIG_FILE,
+    "lora_alpha NaN": CONFIG_FILE,
+    "backreference regex": CONFIG_FILE,
+    "lookahead regex": CONFIG_FILE,
+    "bad name": "name",
+    "no name": "name",
+    "shared not a bool": "shared",
+    "unknown field": "rank",
+    "bad tenant name": "tenant",
+}
+
 
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_each_malformed_upload_is_400_with_its_reason(client, tiny_adapter_dir, registry, case):
     spoil, fields, reason = MALFORMED[case]
     config, weights = spoil(*adapter_files(tiny_adapter_dir))
     fields = {"name": "bot", **fields}
-    assert_error(upload(client, fields.pop("name"), config, weights, **fields), 400, reason)
+    assert_error(upload(client, fields.pop("name"), config, weights, **fields), 400, reason,
+                 param=MALFORMED_PARAM[case])
     assert registry.list() == []
 
 
@@ -251,7 +274,7 @@ def test_pickle_bin_file_is_refused(client, tiny_adapter_dir):
     files = {"adapter_config.json": ("adapter_config.json", config),
              "weights": ("adapter_model.bin", pickle_weights())}
     response = client.post("/admin/adapters", data={"name": "bot"}, files=files, headers=ADMIN)
-    assert_error(response, 400, "pickle-format weights (adapter_model.bin) are not accepted")
+    assert_error(response, 400, "pickle-format weights (adapter_model.bin) are not accepted", param=WEIGHTS_FILE)
 
 
 def test_upload_that_is_not_multipart(client):
