@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from adapters import blob
-from adapters.errors import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFound
+from adapters.errors import CONFIG_FILE, PICKLE_MESSAGE, WEIGHTS_FILE, AdapterError, AdapterNotFound
 from adapters.peft_config import DEFAULT_MAX_LORA_RANK
 from adapters.peft_format import BaseShapes, check_fits, parse_peft_adapter
 from adapters.store import exclusive_lock, rename_atomic, write_atomic
@@ -48,10 +48,6 @@ _MANIFEST = re.compile(r"v([1-9][0-9]*)\.json(\.deleted)?")
 # torch.save zip archives and raw pickles (protocol 2+ starts with 0x80); only
 # consulted once the bytes failed to parse as safetensors.
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
-PICKLE_MESSAGE = (
-    "pickle-format weights (adapter_model.bin) are not accepted: unpickling can run arbitrary "
-    f"code; re-save the adapter with safe_serialization=True ({WEIGHTS_FILE})"
-)
 
 
 def default_data_dir() -> Path:

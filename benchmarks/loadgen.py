@@ -73,9 +73,13 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
-        if self.keep_log is not None:
-            shutil.copy(self.log_path, self.keep_log)
-        self._tmp.cleanup()
+        try:
+            if self.keep_log is not None:
+                shutil.copy(self.log_path, self.keep_log)
+        except OSError as exc:  # the run's results matter more than its log
+            print(f"server log not kept at {self.keep_log}: {exc}", file=sys.stderr)
+        finally:
+            self._tmp.cleanup()
 
 
 def wait_until_ok(proc: subprocess.Popen, url: str, timeout: float, *, poll_s: float, what: str,
@@ -136,7 +140,9 @@ async def one_request(client: httpx.AsyncClient, key: str, model: str, prompt: l
                                  headers={"Authorization": f"Bearer {key}"}) as r:
             sample.status = r.status_code
             if r.status_code != 200:
-                await r.aread()
+                body = await r.aread()
+                if r.status_code != 429:  # a 429 is an answer the benchmarks count, not a failure
+                    sample.error = f"HTTP {r.status_code}: {body[:300].decode(errors='replace')}"
                 return sample
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

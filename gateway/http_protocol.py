@@ -172,10 +172,11 @@ class GatewayH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def _between_requests(self) -> None:
-        """The last request is over. A pipelined one already begun starts
-        its own clock; otherwise uvicorn's keep-alive timer closes a silent
-        connection (armed here too when a drained body ended the request,
-        since its data_received disarmed it)."""
+        """The last request is over. A next one begun but not whole starts
+        its own clock; a next one already whole is being answered, and its
+        answer's end arms the keep-alive timer; otherwise uvicorn's
+        keep-alive timer closes the silent connection (armed here when a
+        drained body ended the request, since its data_received disarmed it)."""
         self._stop_read_timer()
         self._linger_until = None
         if self.transport.is_closing():
@@ -184,10 +185,10 @@ class GatewayH11Protocol(H11Protocol):
             self._start_clock(len(self.conn.trailing_data[0]))
             self._arm()
         elif self.conn.their_state is h11.IDLE and self.timeout_keep_alive_task is None:
-            # Idle only if no next request came in the same read as the old
-            # body's end: under one being answered, the timer would close
-            # the connection mid-response (uvicorn disarms it only when a
-            # request's head is parsed, which has happened by now).
+            # Not under a next request that came whole in the same read as
+            # the old body's end: its client, waiting for the answer, sends
+            # nothing that would disarm the timer, which would close the
+            # connection mid-response.
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
 

@@ -64,3 +64,5 @@ def test_an_error_event_is_counted_with_its_message():
     sample = _one(lambda request: httpx.Response(200, content=body))
     assert sample.status == 500 and "engine failed" in sample.error
     assert _one(lambda request: httpx.Response(429, json={})).error is None  # told to come back: not a failure
+    refused = _one(lambda request: httpx.Response(503, json={"error": {"message": "not ready"}}))
+    assert refused.status == 503 and refused.error.startswith("HTTP 503: ") and "not ready" in refused.error

@@ -19,8 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from adapters.errors import CONFIG_FILE, WEIGHTS_FILE
-from adapters.registry import PICKLE_MESSAGE
+from adapters.errors import CONFIG_FILE, PICKLE_MESSAGE, WEIGHTS_FILE
 from gateway.admin_service import AdminService
 from gateway.deps import gateway_of, require_admin
 from gateway.engine_client import EngineNotReady

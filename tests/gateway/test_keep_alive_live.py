@@ -27,8 +27,11 @@ import uvicorn
 
 from gateway.http_protocol import GatewayH11Protocol
 
-KEEP_ALIVE_S = 0.5
-CHUNKS, CHUNK_GAP_S = 6, 0.25  # the slow answer lasts three keep-alive timeouts
+# Also how long the client may take between the early answer and its next
+# write: long enough that a client stalled under load does not lose the
+# connection (which would read as the defect), short enough for a quick test.
+KEEP_ALIVE_S = 1.5
+CHUNKS, CHUNK_GAP_S = 8, 0.5  # the slow answer lasts over twice the keep-alive timeout
 
 
 async def app(scope, receive, send):
