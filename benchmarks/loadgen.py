@@ -107,7 +107,7 @@ class Sample:
     ttft: float | None = None
     latency: float | None = None
     completion_tokens: int = 0
-    error: str | None = None  # what a transport error (status 0) or an error event said
+    error: str | None = None  # what broke it: a transport error (status 0), an error event, a status not 200 or 429
 
 
 @dataclass(frozen=True)

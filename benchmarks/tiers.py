@@ -123,7 +123,7 @@ def run_mode(args, tiers_on: bool) -> dict:
                          "completed_rps": round(completed_rps(over, args.duration), 3)},
             "load_average_before_overload": load_before,
             "timeline": [[round(s.sent_at, 3), s.tier, s.status, s.ttft and round(s.ttft, 4)] for s in over],
-            # What each failed request said (a transport error, an error event), by phase.
+            # What broke each failed request (loadgen's Sample.error), by phase.
             "errors": [[phase, round(s.sent_at, 3), s.tier, s.status, s.error]
                        for phase, samples in (("idle", idle), ("overload", over)) for s in samples if s.error],
         }
