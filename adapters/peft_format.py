@@ -170,11 +170,11 @@ def _check_module(layer: int, module: str, pair: dict, r: int, base: BaseShapes 
 def parse_peft_adapter(
     cfg: dict, tensors: dict[str, torch.Tensor], base: BaseShapes | None, max_lora_rank: int
 ) -> dict[tuple[int, str], LoraModule]:
-    """Validate a PEFT LoRA adapter. Without `base`, in/out features and the
-    layer count cannot be checked: A and B need only agree with each other and
-    the config, and the layers are 0..(highest layer the tensors name)."""
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{CONFIG_FILE} must hold a JSON object", param=CONFIG_FILE)
+    """Validate a PEFT LoRA adapter; `cfg` is a JSON object already (the
+    registry's config parser refuses anything else). Without `base`, in/out
+    features and the layer count cannot be checked: A and B need only agree
+    with each other and the config, and the layers are 0..(highest layer
+    the tensors name)."""
     with _blaming(CONFIG_FILE):
         settings = parse_settings(cfg)
     with _blaming(WEIGHTS_FILE):
