@@ -28,6 +28,7 @@ def _free_port() -> int:
 
 
 ADMIN_TOKEN = "a-token-read-from-a-file-0123456789"
+STREAM_TOKENS = 1000
 
 
 @pytest.fixture
@@ -89,8 +90,11 @@ def test_sigterm_drains_the_running_stream_refuses_new_requests_and_exits_0(serv
     proc, url, key, err = served
     auth = {"Authorization": f"Bearer {key}"}
     (model,) = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]]
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 60, "min_tokens": 60, "stream": True,
-            "logprobs": 0}
+    # Long enough to outlast the checks below: the tiny model wrote 60 tokens
+    # into the socket's buffers (drained, exited) before /ready was asked, on
+    # a fast host. The stream runs on whether or not this reader keeps up.
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "min_tokens": STREAM_TOKENS,
+            "stream": True, "logprobs": 0}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=60) as stream:
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -110,7 +114,7 @@ def test_sigterm_drains_the_running_stream_refuses_new_requests_and_exits_0(serv
     # Every token arrives: a chunk may carry several (steps merged while
     # this reader was behind); its logprobs list one entry per token.
     tokens = [json.loads(e[6:])["choices"][0]["logprobs"]["tokens"] for e in [first, *events[:-1]]]
-    assert sum(map(len, tokens)) == 60
+    assert sum(map(len, tokens)) == STREAM_TOKENS
     assert proc.wait(timeout=60) == 0, err.read_text()
 
 
